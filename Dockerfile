@@ -1,0 +1,25 @@
+# syntax=docker/dockerfile:1
+# Build:  docker build -t tollgate .
+# Run:    docker run --rm -p 8080:8080 -v "$PWD/config.toml:/etc/tollgate/config.toml:ro" tollgate
+# In the container the proxy listens on 0.0.0.0:8080 (TOLLGATE_LISTEN) whatever the file says.
+
+FROM rust:1-slim-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+COPY benches ./benches
+RUN cargo build --release --locked --bin tollgate
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tollgate
+COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
+COPY config.toml /etc/tollgate/config.toml
+ENV TOLLGATE_CONFIG=/etc/tollgate/config.toml \
+    TOLLGATE_LISTEN=0.0.0.0:8080
+USER tollgate
+EXPOSE 8080 9090
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["/usr/local/bin/tollgate"]

@@ -1,0 +1,256 @@
+//! Which way a request goes: forward proxy, CONNECT tunnel, or gateway route.
+//!
+//! * absolute-form `GET http://host/path` (an app using `HTTP_PROXY`) → **forward**;
+//! * `CONNECT host:443` (an app using `HTTPS_PROXY`) → **tunnel**;
+//! * origin-form `GET /github/repos/x` sent to tollgate itself → **route**, rewritten to
+//!   the route's upstream (`https://api.github.com/repos/x`).
+//!
+//! After classification every request but a tunnel carries an absolute upstream URI, so
+//! the layers after this one treat the three ways alike.
+
+use std::net::{IpAddr, SocketAddr};
+
+use http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use http::{Method, Request, Version};
+
+use crate::config::{Config, ConnectPorts, RouteConfig};
+use crate::error::ProxyError;
+
+/// How a request reached tollgate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Absolute-form request from an app using tollgate as `HTTP_PROXY`.
+    Forward,
+    /// `CONNECT host:port`, a TCP tunnel.
+    Tunnel,
+    /// Origin-form request matched by a `[[route]]`.
+    Route,
+}
+
+/// Where a request is going, decided once and stored in the request's extensions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// How the request reached tollgate.
+    pub kind: Kind,
+    /// Upstream host, lower-cased (IPv6 literals keep their brackets).
+    pub host: String,
+    /// Upstream port.
+    pub port: u16,
+}
+
+/// Classifies requests against the configured routes and CONNECT ports.
+#[derive(Debug, Clone)]
+pub struct Classifier {
+    /// Routes, longest prefix first so the most specific one wins.
+    routes: Vec<RouteConfig>,
+    connect_ports: ConnectPorts,
+}
+
+impl Classifier {
+    /// Builds the classifier from the configuration.
+    pub fn new(config: &Config) -> Self {
+        let mut routes = config.routes.clone();
+        routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.as_str().len()));
+        Classifier {
+            routes,
+            connect_ports: config.proxy.connect_ports.clone(),
+        }
+    }
+
+    /// Decides where `req` goes and, for a route, rewrites its URI to the upstream's.
+    /// `local` is the address the client connected to, so a request addressed to
+    /// tollgate itself is served as origin-form rather than proxied back to itself.
+    pub fn classify<B>(&self, req: &mut Request<B>, local: SocketAddr) -> Result<Target, ProxyError> {
+        if req.method() == Method::CONNECT {
+            return self.tunnel(req.uri());
+        }
+        let uri = req.uri();
+        let absolute = uri.scheme().is_some() && uri.authority().is_some();
+        // Clients never forward-proxy over h2 (they CONNECT); an h2 URI always carries
+        // `:authority`, which then names tollgate itself.
+        if absolute && req.version() != Version::HTTP_2 && !addressed_to(uri, local) {
+            return forward(uri);
+        }
+        self.route(req)
+    }
+
+    fn tunnel(&self, uri: &Uri) -> Result<Target, ProxyError> {
+        let bad = || {
+            ProxyError::BadRequest(format!(
+                "CONNECT needs host:port, got {:?}",
+                uri.to_string()
+            ))
+        };
+        let authority = uri.authority().ok_or_else(bad)?;
+        if uri.scheme().is_some() || authority.as_str().contains('@') || authority.host().is_empty()
+        {
+            return Err(bad());
+        }
+        let port = authority.port_u16().filter(|p| *p != 0).ok_or_else(bad)?;
+        if !self.connect_ports.allows(port) {
+            return Err(ProxyError::PortNotAllowed { port });
+        }
+        Ok(Target {
+            kind: Kind::Tunnel,
+            host: authority.host().to_ascii_lowercase(),
+            port,
+        })
+    }
+
+    fn route<B>(&self, req: &mut Request<B>) -> Result<Target, ProxyError> {
+        let path = req.uri().path();
+        let matched = self.routes.iter().find_map(|route| {
+            let prefix = route.prefix.as_str();
+            let rest = path
+                .strip_prefix(prefix)
+                .or_else(|| (path == &prefix[..prefix.len() - 1]).then_some(""))?;
+            Some((route, rest))
+        });
+        let Some((route, rest)) = matched else {
+            return Err(ProxyError::NoRoute {
+                path: path.to_string(),
+                routes: self
+                    .routes
+                    .iter()
+                    .map(|r| format!("{} -> {}", r.prefix.as_str(), r.upstream))
+                    .collect(),
+            });
+        };
+        let upstream = &route.upstream;
+        let mut path_and_query = format!("{}/{rest}", upstream.base_path);
+        if let Some(query) = req.uri().query() {
+            path_and_query.push('?');
+            path_and_query.push_str(query);
+        }
+        let path_and_query = PathAndQuery::try_from(path_and_query)
+            .map_err(|e| ProxyError::BadRequest(format!("cannot rewrite path: {e}")))?;
+        let uri = Uri::builder()
+            .scheme(upstream.scheme.clone())
+            .authority(upstream.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
+            .map_err(|e| ProxyError::BadRequest(format!("cannot rewrite path: {e}")))?;
+        let target = target_of(&upstream.scheme, &upstream.authority, Kind::Route);
+        *req.uri_mut() = uri;
+        Ok(target)
+    }
+}
+
+fn forward(uri: &Uri) -> Result<Target, ProxyError> {
+    let scheme = uri.scheme().expect("checked by the caller");
+    if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
+        return Err(ProxyError::BadRequest(format!(
+            "unsupported scheme {scheme}: tollgate forwards http and https URLs"
+        )));
+    }
+    let authority = uri.authority().expect("checked by the caller");
+    if authority.host().is_empty() || authority.as_str().contains('@') {
+        return Err(ProxyError::BadRequest(format!(
+            "bad authority {:?} in {uri}",
+            authority.as_str()
+        )));
+    }
+    Ok(target_of(scheme, authority, Kind::Forward))
+}
+
+fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Target {
+    let default_port = if *scheme == Scheme::HTTPS { 443 } else { 80 };
+    Target {
+        kind,
+        host: authority.host().to_ascii_lowercase(),
+        port: authority.port_u16().unwrap_or(default_port),
+    }
+}
+
+/// Whether an absolute URI names the address the client connected to.
+fn addressed_to(uri: &Uri, local: SocketAddr) -> bool {
+    let Some(authority) = uri.authority() else {
+        return false;
+    };
+    let default_port = if uri.scheme() == Some(&Scheme::HTTPS) { 443 } else { 80 };
+    if authority.port_u16().unwrap_or(default_port) != local.port() {
+        return false;
+    }
+    let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+    match host.parse::<IpAddr>() {
+        Ok(ip) => ip == local.ip() || (ip.is_loopback() && local.ip().is_loopback()),
+        Err(_) => host.eq_ignore_ascii_case("localhost") && local.ip().is_loopback(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOCAL: &str = "127.0.0.1:8080";
+
+    fn classifier(extra: &str) -> Classifier {
+        let text = format!(
+            "[proxy]\nconnect_ports = [443, 8443]\n{extra}\n\
+             [[route]]\nprefix = \"/gh/\"\nupstream = \"https://api.github.com\"\n\
+             [[route]]\nprefix = \"/gh/v2/\"\nupstream = \"http://v2.example:8000/base/\"\n"
+        );
+        Classifier::new(&Config::parse(&text, "t").unwrap())
+    }
+
+    fn run(c: &Classifier, method: Method, uri: &str) -> (Result<Target, ProxyError>, String) {
+        let mut req = Request::builder().method(method).uri(uri).body(()).unwrap();
+        let t = c.classify(&mut req, LOCAL.parse().unwrap());
+        (t, req.uri().to_string())
+    }
+
+    #[test]
+    fn absolute_form_is_forwarded_unchanged() {
+        let (t, uri) = run(&classifier(""), Method::GET, "http://Example.com:81/a?b");
+        let t = t.unwrap();
+        assert_eq!((t.kind, t.host.as_str(), t.port), (Kind::Forward, "example.com", 81));
+        assert_eq!(uri, "http://Example.com:81/a?b");
+    }
+
+    #[test]
+    fn routes_rewrite_longest_prefix_first_and_keep_query() {
+        let c = classifier("");
+        let (t, uri) = run(&c, Method::GET, "/gh/repos/x?page=2");
+        assert_eq!(t.unwrap().kind, Kind::Route);
+        assert_eq!(uri, "https://api.github.com/repos/x?page=2");
+        let (t, uri) = run(&c, Method::GET, "/gh/v2/things");
+        assert_eq!(t.unwrap().port, 8000);
+        assert_eq!(uri, "http://v2.example:8000/base/things");
+        let (_, uri) = run(&c, Method::GET, "/gh");
+        assert_eq!(uri, "https://api.github.com/");
+    }
+
+    #[test]
+    fn request_to_tollgate_itself_is_routed_not_looped() {
+        let (t, uri) = run(&classifier(""), Method::GET, "http://localhost:8080/gh/x");
+        assert_eq!(t.unwrap().kind, Kind::Route);
+        assert_eq!(uri, "https://api.github.com/x");
+    }
+
+    #[test]
+    fn unknown_path_lists_routes() {
+        let (t, _) = run(&classifier(""), Method::GET, "/nope");
+        let e = t.unwrap_err();
+        assert_eq!(e.status(), 404);
+        assert!(e.to_string().contains("/gh/ -> https://api.github.com"), "{e}");
+    }
+
+    #[test]
+    fn connect_checks_authority_and_port() {
+        let c = classifier("");
+        let t = run(&c, Method::CONNECT, "api.example.com:443").0.unwrap();
+        assert_eq!((t.kind, t.port), (Kind::Tunnel, 443));
+        assert_eq!(run(&c, Method::CONNECT, "api.example.com").0.unwrap_err().status(), 400);
+        assert_eq!(run(&c, Method::CONNECT, "api.example.com:22").0.unwrap_err().status(), 403);
+        let any = Classifier::new(
+            &Config::parse("[proxy]\nconnect_ports = [\"*\"]", "t").unwrap(),
+        );
+        assert!(run(&any, Method::CONNECT, "h:22").0.is_ok());
+    }
+
+    #[test]
+    fn other_schemes_are_refused() {
+        let (t, _) = run(&classifier(""), Method::GET, "ftp://example.com/x");
+        assert_eq!(t.unwrap_err().status(), 400);
+    }
+}

@@ -1,0 +1,202 @@
+//! Every failure tollgate makes, and the HTTP response each one becomes.
+//!
+//! The library returns [`ProxyError`] with the context a user needs (which host, which
+//! group, what timed out); the outermost service turns it into a response with a short
+//! plain-text body and a `Proxy-Status` header (RFC 9209), so a client always gets an
+//! answer that says what happened and where.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+
+use crate::body::{self, Body};
+
+/// The name tollgate uses for itself in `Proxy-Status` and `Via`.
+pub const PROXY_NAME: &str = "tollgate";
+
+/// A request tollgate could not carry through, and why.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    /// The request itself is malformed or unsupported.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// An origin-form request matched no gateway route.
+    #[error("no route matches {path}; {}", list_routes(.routes))]
+    NoRoute {
+        /// The request path.
+        path: String,
+        /// The configured route prefixes, to help the user.
+        routes: Vec<String>,
+    },
+    /// CONNECT to a port that `connect_ports` does not allow.
+    #[error("CONNECT to port {port} is not allowed (proxy.connect_ports)")]
+    PortNotAllowed {
+        /// The refused port.
+        port: u16,
+    },
+    /// The upstream host name did not resolve.
+    #[error("could not resolve {host}: {reason}")]
+    Dns {
+        /// The host name.
+        host: String,
+        /// The resolver's answer.
+        reason: String,
+    },
+    /// The upstream refused the TCP connection.
+    #[error("connection refused by {authority}")]
+    ConnectionRefused {
+        /// `host:port`.
+        authority: String,
+    },
+    /// Resolving, connecting or the TLS handshake took longer than `connect_timeout`.
+    #[error("no connection to {authority} within {}", humantime::format_duration(*.after))]
+    ConnectTimeout {
+        /// `host:port`.
+        authority: String,
+        /// The configured limit.
+        after: Duration,
+    },
+    /// Connecting failed for another reason (unreachable network, reset, ...).
+    #[error("could not connect to {authority}: {reason}")]
+    Connect {
+        /// `host:port`.
+        authority: String,
+        /// The operating system's answer.
+        reason: String,
+    },
+    /// The upstream's certificate was not accepted.
+    #[error("TLS certificate of {authority} not accepted: {reason}")]
+    TlsCertificate {
+        /// `host:port`.
+        authority: String,
+        /// rustls's reason.
+        reason: String,
+    },
+    /// The TLS handshake failed for a reason other than the certificate.
+    #[error("TLS handshake with {authority} failed: {reason}")]
+    Tls {
+        /// `host:port`.
+        authority: String,
+        /// rustls's reason.
+        reason: String,
+    },
+    /// No response head within `response_timeout`.
+    #[error("{authority} sent no response within {}", humantime::format_duration(*.after))]
+    ResponseTimeout {
+        /// `host:port`.
+        authority: String,
+        /// The configured limit.
+        after: Duration,
+    },
+    /// The upstream broke the exchange (closed early, spoke bad HTTP, ...).
+    #[error("{authority} failed: {reason}")]
+    Upstream {
+        /// `host:port`.
+        authority: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+fn list_routes(routes: &[String]) -> String {
+    if routes.is_empty() {
+        "no routes are configured; use this address as HTTP_PROXY, or add a [[route]]".into()
+    } else {
+        format!("routes: {}", routes.join(", "))
+    }
+}
+
+impl ProxyError {
+    /// The status code the client receives.
+    pub fn status(&self) -> StatusCode {
+        use ProxyError::*;
+        match self {
+            BadRequest(_) => StatusCode::BAD_REQUEST,
+            NoRoute { .. } => StatusCode::NOT_FOUND,
+            PortNotAllowed { .. } => StatusCode::FORBIDDEN,
+            Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
+            TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The RFC 9209 error type for `Proxy-Status`.
+    pub fn proxy_status_error(&self) -> &'static str {
+        use ProxyError::*;
+        match self {
+            BadRequest(_) => "http_request_error",
+            NoRoute { .. } => "destination_not_found",
+            PortNotAllowed { .. } => "http_request_denied",
+            Dns { .. } => "dns_error",
+            ConnectionRefused { .. } => "connection_refused",
+            ConnectTimeout { .. } => "connection_timeout",
+            Connect { .. } => "destination_unavailable",
+            TlsCertificate { .. } => "tls_certificate_error",
+            Tls { .. } => "tls_protocol_error",
+            ResponseTimeout { .. } => "http_response_timeout",
+            Upstream { .. } => "http_protocol_error",
+        }
+    }
+
+    /// The response the client receives for this error.
+    pub fn into_response(self) -> Response<Body> {
+        let text = self.to_string();
+        let mut resp = Response::new(body::full(Bytes::from(format!("{PROXY_NAME}: {text}\n"))));
+        *resp.status_mut() = self.status();
+        let headers = resp.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        headers.insert(
+            "proxy-status",
+            proxy_status(self.proxy_status_error(), &text),
+        );
+        resp
+    }
+}
+
+/// A `Proxy-Status` value: `tollgate; error=<type>; details="<text>"` (RFC 9209 §2).
+pub fn proxy_status(error: &str, details: &str) -> HeaderValue {
+    // `details` is a structured-field string: printable ASCII with `"` and `\` escaped.
+    let mut value = format!("{PROXY_NAME}; error={error}; details=\"");
+    for c in details.chars() {
+        match c {
+            '"' | '\\' => {
+                value.push('\\');
+                value.push(c);
+            }
+            ' '..='~' => value.push(c),
+            _ => value.push('?'),
+        }
+    }
+    value.push('"');
+    HeaderValue::try_from(value).expect("printable ASCII is a valid header value")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_status_escapes_details() {
+        let v = proxy_status("dns_error", "no \"such\" host \\ é");
+        assert_eq!(
+            v.to_str().unwrap(),
+            r#"tollgate; error=dns_error; details="no \"such\" host \\ ?""#
+        );
+    }
+
+    #[test]
+    fn error_becomes_text_response() {
+        let resp = ProxyError::ConnectTimeout {
+            authority: "10.0.0.1:443".into(),
+            after: Duration::from_secs(10),
+        }
+        .into_response();
+        assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
+        let ps = resp.headers()["proxy-status"].to_str().unwrap();
+        assert!(ps.starts_with("tollgate; error=connection_timeout;"), "{ps}");
+    }
+}

@@ -1,0 +1,29 @@
+//! tollgate: an HTTP egress proxy that keeps outbound calls inside the rate limits of
+//! the services they call.
+//!
+//! # Layout
+//!
+//! The modules in the order a request meets them:
+//!
+//! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) and
+//!   drains them on shutdown;
+//! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
+//! * [`proxy`] — builds the tower stack; the one place where layer order is visible;
+//! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
+//! * [`upstream`] — pooled hyper client over rustls, timeouts, hop-by-hop headers;
+//! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209).
+//!
+//! Around them: [`config`] (the `config.toml` contract, checked at start with
+//! file:line:column errors) and [`body`] (the one streamed body type).
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod body;
+pub mod classify;
+pub mod config;
+pub mod error;
+pub mod proxy;
+pub mod server;
+pub mod tunnel;
+pub mod upstream;

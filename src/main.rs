@@ -1,0 +1,121 @@
+//! The `tollgate` command: run the proxy, or only check a configuration file.
+
+#![forbid(unsafe_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use tokio::net::TcpListener;
+use tollgate::config::Config;
+
+/// Exit status for a configuration that cannot be used (EX_USAGE).
+const EXIT_BAD_CONFIG: u8 = 64;
+
+/// An HTTP egress proxy that keeps outbound calls inside upstream rate limits.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    /// The configuration file.
+    #[arg(long, short, env = "TOLLGATE_CONFIG", default_value = "config.toml")]
+    config: PathBuf,
+    /// Listen on this address instead of `proxy.listen`.
+    #[arg(long, env = "TOLLGATE_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Log format; the level comes from RUST_LOG (default "info").
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a configuration file and exit: 0 if usable, 64 with file:line:column if not.
+    CheckConfig {
+        /// The file to check.
+        file: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let path = match &cli.command {
+        Some(Command::CheckConfig { file }) => file,
+        None => &cli.config,
+    };
+    let mut config = match Config::load(path) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("tollgate: {e}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    if let Some(Command::CheckConfig { file }) = &cli.command {
+        // Settings that need I/O (ca_file) are checked by building the proxy.
+        if let Err(e) = tollgate::proxy::Proxy::new(&config) {
+            eprintln!("tollgate: {e}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+        println!("{}: ok", file.display());
+        return ExitCode::SUCCESS;
+    }
+    if let Some(listen) = cli.listen {
+        config.proxy.listen = listen;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the tokio runtime starts");
+    runtime.block_on(run(config))
+}
+
+async fn run(config: Config) -> ExitCode {
+    let listen = config.proxy.listen;
+    let listener = match TcpListener::bind(listen).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("tollgate: cannot listen on {listen}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    tracing::info!(%listen, "tollgate listening");
+    match tollgate::server::run(listener, config, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: {e}");
+            ExitCode::from(EXIT_BAD_CONFIG)
+        }
+    }
+}
+
+/// Completes on the first SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler installs");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

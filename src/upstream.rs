@@ -1,0 +1,373 @@
+//! The last step: sending a request to its upstream and streaming the answer back.
+//!
+//! Connections are made by [`Dialer`] (DNS, TCP, `connect_timeout`), wrapped in rustls
+//! by hyper-rustls (h2 offered by ALPN), and pooled by hyper-util's client, so repeated
+//! requests to one upstream reuse connections. The dialer is ours rather than hyper-util's
+//! `HttpConnector` because its errors are typed ([`ProxyError::Dns`],
+//! [`ProxyError::ConnectionRefused`], ...) and CONNECT tunnels share it.
+
+use std::future::Future;
+use std::io;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri, Version};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+use tower::Service;
+
+use crate::body::{self, Body, BoxError};
+use crate::config::ProxyConfig;
+use crate::error::{ProxyError, PROXY_NAME};
+
+/// Headers that describe one connection, not the message; never forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers: the fixed list and every header `Connection` names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Appends tollgate to `Via` (RFC 9110 §7.6.3), keeping what earlier proxies wrote.
+pub fn add_via(headers: &mut HeaderMap, version: Version) {
+    let hop = match version {
+        Version::HTTP_10 => "1.0",
+        Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
+        _ => "1.1",
+    };
+    let value = HeaderValue::try_from(format!("{hop} {PROXY_NAME}")).expect("ASCII");
+    headers.append(header::VIA, value);
+}
+
+/// `host:port` of a URI, with the scheme's default port filled in.
+pub fn authority_of(uri: &Uri) -> String {
+    let host = uri.host().unwrap_or("");
+    let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    });
+    format!("{host}:{port}")
+}
+
+/// Opens TCP connections to upstreams, within `connect_timeout`.
+#[derive(Debug, Clone)]
+pub struct Dialer {
+    /// The longest time name resolution plus the TCP handshake may take.
+    pub connect_timeout: Duration,
+}
+
+impl Dialer {
+    /// Resolves `host` and connects to the first address that accepts, within the
+    /// connect timeout. `host` may be a bracketed IPv6 literal.
+    pub async fn dial(&self, host: &str, port: u16) -> Result<TcpStream, ProxyError> {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let authority = format!("{host}:{port}");
+        let attempt = async {
+            let addrs = tokio::net::lookup_host((host, port))
+                .await
+                .map_err(|e| ProxyError::Dns {
+                    host: host.to_string(),
+                    reason: e.to_string(),
+                })?;
+            let mut last_error = None;
+            for addr in addrs {
+                match TcpStream::connect(addr).await {
+                    Ok(stream) => {
+                        // Proxied requests are small writes answered by small writes;
+                        // Nagle's delay would add up to 40 ms to each.
+                        let _ = stream.set_nodelay(true);
+                        return Ok(stream);
+                    }
+                    Err(e) => last_error = Some(e),
+                }
+            }
+            Err(match last_error {
+                Some(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    ProxyError::ConnectionRefused {
+                        authority: authority.clone(),
+                    }
+                }
+                Some(e) => ProxyError::Connect {
+                    authority: authority.clone(),
+                    reason: e.to_string(),
+                },
+                None => ProxyError::Dns {
+                    host: host.to_string(),
+                    reason: "no addresses".into(),
+                },
+            })
+        };
+        tokio::time::timeout(self.connect_timeout, attempt)
+            .await
+            .unwrap_or_else(|_| {
+                Err(ProxyError::ConnectTimeout {
+                    authority: authority.clone(),
+                    after: self.connect_timeout,
+                })
+            })
+    }
+}
+
+/// hyper-util's client asks its connector for a connection with a `Service<Uri>`.
+impl Service<Uri> for Dialer {
+    type Response = TokioIo<TcpStream>;
+    type Error = ProxyError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ProxyError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let dialer = self.clone();
+        Box::pin(async move {
+            let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
+                Some("https") => 443,
+                _ => 80,
+            });
+            let stream = dialer.dial(uri.host().unwrap_or(""), port).await?;
+            Ok(TokioIo::new(stream))
+        })
+    }
+}
+
+/// The TLS connector over [`Dialer`], bounded as a whole by `connect_timeout` so that a
+/// stalled TLS handshake counts as a connect timeout too.
+#[derive(Clone)]
+struct Connector {
+    tls: hyper_rustls::HttpsConnector<Dialer>,
+    timeout: Duration,
+}
+
+impl Service<Uri> for Connector {
+    type Response = hyper_rustls::MaybeHttpsStream<TokioIo<TcpStream>>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.tls.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let timeout = self.timeout;
+        let authority = authority_of(&uri);
+        let connecting = self.tls.call(uri);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(result) => result,
+                Err(_) => Err(ProxyError::ConnectTimeout {
+                    authority,
+                    after: timeout,
+                }
+                .into()),
+            }
+        })
+    }
+}
+
+/// The rustls configuration for upstreams: the public web roots plus `ca_file`.
+pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let pem = std::fs::read(path).map_err(|e| format!("ca_file {}: {e}", path.display()))?;
+        let mut found = 0;
+        for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+            let cert = cert.map_err(|e| format!("ca_file {}: {e}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("ca_file {}: {e}", path.display()))?;
+            found += 1;
+        }
+        if found == 0 {
+            return Err(format!(
+                "ca_file {}: no PEM certificates found",
+                path.display()
+            ));
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+/// Sends requests upstream over pooled connections; the leaf of the service stack.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<Connector, Body>,
+    response_timeout: Duration,
+}
+
+impl Upstream {
+    /// Builds the pooled client from the `[proxy]` settings.
+    pub fn new(config: &ProxyConfig, dialer: Dialer) -> Result<Self, String> {
+        let tls = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config(config.ca_file.as_deref())?)
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(dialer);
+        let connector = Connector {
+            tls,
+            timeout: config.connect_timeout.0,
+        };
+        let client = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(config.upstream_idle_timeout.0)
+            .build(connector);
+        Ok(Upstream {
+            client,
+            response_timeout: config.response_timeout.0,
+        })
+    }
+
+    /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
+    /// upstream's response head with its body still streaming.
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, ProxyError> {
+        let authority = authority_of(req.uri());
+        let client_version = req.version();
+        strip_hop_by_hop(req.headers_mut());
+        add_via(req.headers_mut(), client_version);
+        let host = req
+            .uri()
+            .authority()
+            .map(|a| HeaderValue::from_str(a.as_str()).expect("an authority is a valid header"));
+        if let Some(host) = host {
+            req.headers_mut().insert(header::HOST, host);
+        }
+        // The client side may have spoken h2 to us; the upstream side is chosen by ALPN.
+        *req.version_mut() = Version::HTTP_11;
+
+        let response = tokio::time::timeout(self.response_timeout, self.client.request(req))
+            .await
+            .map_err(|_| ProxyError::ResponseTimeout {
+                authority: authority.clone(),
+                after: self.response_timeout,
+            })?
+            .map_err(|e| client_error(e, authority))?;
+
+        let (mut parts, incoming) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        add_via(&mut parts.headers, parts.version);
+        parts.version = Version::HTTP_11;
+        Ok(Response::from_parts(parts, body::boxed(incoming)))
+    }
+}
+
+impl Service<Request<Body>> for Upstream {
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { this.send(req).await })
+    }
+}
+
+/// The causes of an error, outermost first. hyper-rustls wraps rustls errors in
+/// `io::Error`s, whose `source()` skips the wrapped error, so look inside those too.
+fn causes<'a>(
+    err: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(err), |e| {
+        e.downcast_ref::<io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|inner| inner as &(dyn std::error::Error + 'static))
+            .or_else(|| e.source())
+    })
+}
+
+/// Finds the most telling cause in a client error: our own [`ProxyError`] from the
+/// dialer, a rustls error from the handshake, or else the whole error text.
+fn client_error(err: hyper_util::client::legacy::Error, authority: String) -> ProxyError {
+    for cause in causes(&err) {
+        if let Some(found) = cause.downcast_ref::<ProxyError>() {
+            return found.clone();
+        }
+        if let Some(tls) = cause.downcast_ref::<rustls::Error>() {
+            let reason = tls.to_string();
+            return match tls {
+                rustls::Error::InvalidCertificate(_) => {
+                    ProxyError::TlsCertificate { authority, reason }
+                }
+                _ => ProxyError::Tls { authority, reason },
+            };
+        }
+    }
+    let reason = causes(&err)
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(": ");
+    ProxyError::Upstream { authority, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_fixed_and_named_hop_by_hop_headers() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, X-Secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("yes"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn via_is_appended() {
+        let mut h = HeaderMap::new();
+        h.insert(header::VIA, HeaderValue::from_static("1.0 corp-proxy"));
+        add_via(&mut h, Version::HTTP_11);
+        let all: Vec<_> = h.get_all(header::VIA).iter().collect();
+        assert_eq!(all, ["1.0 corp-proxy", "1.1 tollgate"]);
+    }
+
+    #[test]
+    fn authority_fills_default_ports() {
+        assert_eq!(authority_of(&"https://a.example/x".parse().unwrap()), "a.example:443");
+        assert_eq!(authority_of(&"http://a.example/x".parse().unwrap()), "a.example:80");
+        assert_eq!(authority_of(&"http://[::1]:81/".parse().unwrap()), "[::1]:81");
+    }
+}
