@@ -24,6 +24,8 @@ pub mod classify;
 pub mod config;
 pub mod error;
 pub mod proxy;
+pub mod ratelimit_headers;
+pub mod retry_after;
 pub mod server;
 pub mod tunnel;
 pub mod upstream;

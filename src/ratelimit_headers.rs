@@ -1,0 +1,1 @@
+//! Reading an upstream's rate-limit headers (`X-RateLimit-*`, IETF `RateLimit`).
