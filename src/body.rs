@@ -4,6 +4,7 @@
 //! collected, so a 200 MB upload or download passes with flat memory.
 
 use bytes::Bytes;
+use http_body::Frame;
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
 
 /// Any error a body can fail with.
@@ -23,10 +24,53 @@ where
 
 /// A body holding these bytes.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 /// A body with nothing in it.
 pub fn empty() -> Body {
     Empty::new().map_err(|never| match never {}).boxed()
+}
+
+/// A request body after [`read_up_to`].
+pub enum Buffered {
+    /// The whole body, in memory.
+    Complete(Bytes),
+    /// Too big: what was read, then the rest, still streaming.
+    Streaming(Body),
+}
+
+/// Reads `body` into memory if it is at most `limit` bytes; otherwise gives back a body
+/// that streams the part already read followed by the rest. Trailers of a buffered body
+/// are dropped (hop-by-hop in practice: nothing tollgate forwards relies on them).
+pub async fn read_up_to(mut body: Body, limit: u64) -> Result<Buffered, BoxError> {
+    use futures_util::StreamExt;
+    use http_body::Body as _;
+
+    if body.size_hint().lower() > limit {
+        return Ok(Buffered::Streaming(body));
+    }
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut total = 0u64;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        total += data.len() as u64;
+        chunks.push(data);
+        if total > limit {
+            let read = futures_util::stream::iter(chunks.into_iter().map(|c| Ok(Frame::data(c))));
+            let rest = http_body_util::BodyStream::new(body);
+            return Ok(Buffered::Streaming(BodyExt::boxed(
+                http_body_util::StreamBody::new(read.chain(rest)),
+            )));
+        }
+    }
+    Ok(Buffered::Complete(match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().expect("one chunk"),
+        _ => chunks.concat().into(),
+    }))
 }

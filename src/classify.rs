@@ -36,6 +36,8 @@ pub struct Target {
     pub host: String,
     /// Upstream port.
     pub port: u16,
+    /// The `[[limit]]` group named by the route, if any.
+    pub limit: Option<String>,
 }
 
 /// Classifies requests against the configured routes and CONNECT ports.
@@ -60,7 +62,11 @@ impl Classifier {
     /// Decides where `req` goes and, for a route, rewrites its URI to the upstream's.
     /// `local` is the address the client connected to, so a request addressed to
     /// tollgate itself is served as origin-form rather than proxied back to itself.
-    pub fn classify<B>(&self, req: &mut Request<B>, local: SocketAddr) -> Result<Target, ProxyError> {
+    pub fn classify<B>(
+        &self,
+        req: &mut Request<B>,
+        local: SocketAddr,
+    ) -> Result<Target, ProxyError> {
         if req.method() == Method::CONNECT {
             return self.tunnel(req.uri());
         }
@@ -94,6 +100,7 @@ impl Classifier {
             kind: Kind::Tunnel,
             host: authority.host().to_ascii_lowercase(),
             port,
+            limit: None,
         })
     }
 
@@ -130,7 +137,8 @@ impl Classifier {
             .path_and_query(path_and_query)
             .build()
             .map_err(|e| ProxyError::BadRequest(format!("cannot rewrite path: {e}")))?;
-        let target = target_of(&upstream.scheme, &upstream.authority, Kind::Route);
+        let mut target = target_of(&upstream.scheme, &upstream.authority, Kind::Route);
+        target.limit = route.limit.clone();
         *req.uri_mut() = uri;
         Ok(target)
     }
@@ -159,6 +167,7 @@ fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Target {
         kind,
         host: authority.host().to_ascii_lowercase(),
         port: authority.port_u16().unwrap_or(default_port),
+        limit: None,
     }
 }
 
@@ -167,11 +176,18 @@ fn addressed_to(uri: &Uri, local: SocketAddr) -> bool {
     let Some(authority) = uri.authority() else {
         return false;
     };
-    let default_port = if uri.scheme() == Some(&Scheme::HTTPS) { 443 } else { 80 };
+    let default_port = if uri.scheme() == Some(&Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
     if authority.port_u16().unwrap_or(default_port) != local.port() {
         return false;
     }
-    let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
     match host.parse::<IpAddr>() {
         Ok(ip) => ip == local.ip() || (ip.is_loopback() && local.ip().is_loopback()),
         Err(_) => host.eq_ignore_ascii_case("localhost") && local.ip().is_loopback(),
@@ -203,7 +219,10 @@ mod tests {
     fn absolute_form_is_forwarded_unchanged() {
         let (t, uri) = run(&classifier(""), Method::GET, "http://Example.com:81/a?b");
         let t = t.unwrap();
-        assert_eq!((t.kind, t.host.as_str(), t.port), (Kind::Forward, "example.com", 81));
+        assert_eq!(
+            (t.kind, t.host.as_str(), t.port),
+            (Kind::Forward, "example.com", 81)
+        );
         assert_eq!(uri, "http://Example.com:81/a?b");
     }
 
@@ -232,7 +251,10 @@ mod tests {
         let (t, _) = run(&classifier(""), Method::GET, "/nope");
         let e = t.unwrap_err();
         assert_eq!(e.status(), 404);
-        assert!(e.to_string().contains("/gh/ -> https://api.github.com"), "{e}");
+        assert!(
+            e.to_string().contains("/gh/ -> https://api.github.com"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -240,11 +262,21 @@ mod tests {
         let c = classifier("");
         let t = run(&c, Method::CONNECT, "api.example.com:443").0.unwrap();
         assert_eq!((t.kind, t.port), (Kind::Tunnel, 443));
-        assert_eq!(run(&c, Method::CONNECT, "api.example.com").0.unwrap_err().status(), 400);
-        assert_eq!(run(&c, Method::CONNECT, "api.example.com:22").0.unwrap_err().status(), 403);
-        let any = Classifier::new(
-            &Config::parse("[proxy]\nconnect_ports = [\"*\"]", "t").unwrap(),
+        assert_eq!(
+            run(&c, Method::CONNECT, "api.example.com")
+                .0
+                .unwrap_err()
+                .status(),
+            400
         );
+        assert_eq!(
+            run(&c, Method::CONNECT, "api.example.com:22")
+                .0
+                .unwrap_err()
+                .status(),
+            403
+        );
+        let any = Classifier::new(&Config::parse("[proxy]\nconnect_ports = [\"*\"]", "t").unwrap());
         assert!(run(&any, Method::CONNECT, "h:22").0.is_ok());
     }
 

@@ -26,6 +26,12 @@ pub struct Config {
     pub proxy: ProxyConfig,
     /// Gateway routes: `/prefix/...` on the proxy → an upstream base URL.
     pub routes: Vec<RouteConfig>,
+    /// Settings for hosts that match no `[[limit]]`, and defaults for those that do.
+    pub defaults: GroupSettings,
+    /// Named groups of hosts sharing one budget, with their settings resolved.
+    pub limits: Vec<LimitGroup>,
+    /// The admin listener (`/metrics`, `/healthz`, `/status`); off when absent.
+    pub admin: Option<AdminConfig>,
 }
 
 /// `[proxy]`: where tollgate listens and how it talks to upstreams.
@@ -74,6 +80,252 @@ pub struct RouteConfig {
     pub prefix: RoutePrefix,
     /// Base URL the rest of the path is appended to.
     pub upstream: UpstreamUrl,
+    /// The `[[limit]]` group this route's requests count against; by default the
+    /// group of the upstream's host.
+    #[serde(default)]
+    pub limit: Option<String>,
+}
+
+/// `[admin]`: the listener for metrics and status, kept apart from proxied traffic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Address of the admin listener.
+    pub listen: SocketAddr,
+}
+
+/// A group's settings, resolved: a `[[limit]]`'s own values over `[defaults]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSettings {
+    /// Rates that must all allow a request; empty means no rate limit.
+    pub rates: Vec<Rate>,
+    /// Requests that may leave back to back after idle time.
+    pub burst: u32,
+    /// Requests in flight at once (a permit is held until the response body ends).
+    pub concurrency: usize,
+    /// Requests that may wait in the queue; past that, new ones get 503.
+    pub queue: usize,
+    /// The longest one request may wait in the queue.
+    pub max_wait: Duration,
+    /// Request weights by method and path prefix; the first matching rule wins.
+    pub costs: Vec<CostRule>,
+    /// Request bodies up to this size are read before queueing, so a client that
+    /// leaves while queued is noticed (and the request can be replayed).
+    pub max_replay_body: u64,
+}
+
+impl Default for GroupSettings {
+    fn default() -> Self {
+        GroupSettings {
+            rates: Vec::new(),
+            burst: 1,
+            concurrency: 256,
+            queue: 10_000,
+            max_wait: Duration::from_secs(60),
+            costs: Vec::new(),
+            max_replay_body: 1 << 20,
+        }
+    }
+}
+
+impl GroupSettings {
+    /// The cost of a request: the first matching rule's, else 1.
+    pub fn cost_of(&self, method: &http::Method, path: &str) -> u32 {
+        self.costs
+            .iter()
+            .find(|rule| rule.matches(method, path))
+            .map_or(1, |rule| rule.cost)
+    }
+}
+
+/// A named group: hosts that share one budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitGroup {
+    /// The group's name, shown in metrics, errors and `/status`.
+    pub name: String,
+    /// Host names or `*.domain` patterns that belong to the group.
+    pub hosts: Vec<HostPattern>,
+    /// The resolved settings.
+    pub settings: GroupSettings,
+}
+
+/// A rate: `limit` requests (cost units) per `period`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rate {
+    /// How many per period.
+    pub limit: u64,
+    /// The period.
+    pub period: Duration,
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}",
+            self.limit,
+            humantime::format_duration(self.period)
+        )
+    }
+}
+
+impl std::str::FromStr for Rate {
+    type Err = String;
+
+    /// `N/s`, `N/m`, `N/h`, `N/d` or `N/<duration>` such as `100/10s`.
+    fn from_str(text: &str) -> Result<Rate, String> {
+        let bad = || {
+            format!(
+                "invalid rate {text:?}: expected \"N/s\", \"N/m\", \"N/h\", \"N/d\", \"N/<duration>\" (e.g. \"100/10s\") or \"unlimited\""
+            )
+        };
+        let (count, per) = text.trim().split_once('/').ok_or_else(bad)?;
+        let limit: u64 = count.trim().parse().map_err(|_| bad())?;
+        let per = per.trim();
+        let period = if per.starts_with(|c: char| c.is_ascii_digit()) {
+            humantime::parse_duration(per)
+        } else {
+            humantime::parse_duration(&format!("1{per}"))
+        }
+        .map_err(|_| bad())?;
+        if limit == 0 || period.is_zero() {
+            return Err(format!(
+                "invalid rate {text:?}: the count and the period must be above zero"
+            ));
+        }
+        if period / u32::try_from(limit).map_err(|_| bad())? < Duration::from_micros(1) {
+            return Err(format!(
+                "invalid rate {text:?}: faster than one per microsecond"
+            ));
+        }
+        Ok(Rate { limit, period })
+    }
+}
+
+/// One rate or several (all must allow), or `"unlimited"`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rates(pub Vec<Rate>);
+
+impl<'de> Deserialize<'de> for Rates {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        let texts = match OneOrMany::deserialize(d).map_err(|_| {
+            de::Error::custom("expected a rate like \"10/s\", a list of rates, or \"unlimited\"")
+        })? {
+            OneOrMany::One(text) if text.trim() == "unlimited" => return Ok(Rates(Vec::new())),
+            OneOrMany::One(text) => vec![text],
+            OneOrMany::Many(texts) => texts,
+        };
+        texts
+            .iter()
+            .map(|t| t.parse().map_err(de::Error::custom))
+            .collect::<Result<_, _>>()
+            .map(Rates)
+    }
+}
+
+/// A host name, or `*.domain` for every name under `domain` (not `domain` itself).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum HostPattern {
+    /// Exactly this host (lower case).
+    Exact(String),
+    /// Any host ending in `.domain`; holds `.domain`.
+    Suffix(String),
+}
+
+impl<'de> Deserialize<'de> for HostPattern {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?.trim().to_ascii_lowercase();
+        let (pattern, name) = match text.strip_prefix("*.") {
+            Some(domain) => (HostPattern::Suffix(format!(".{domain}")), domain),
+            None => (HostPattern::Exact(text.clone()), text.as_str()),
+        };
+        let valid = !name.is_empty()
+            && name.chars().all(|c| {
+                c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']')
+            });
+        if !valid {
+            return Err(de::Error::custom(format!(
+                "invalid host {text:?}: expected a host name like \"api.github.com\" or a pattern like \"*.github.com\""
+            )));
+        }
+        Ok(pattern)
+    }
+}
+
+/// A request weight rule: requests matching `method` and `path_prefix` cost `cost`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostRule {
+    /// Only requests with this method (any when absent).
+    #[serde(default, deserialize_with = "method")]
+    pub method: Option<http::Method>,
+    /// Only requests whose upstream path starts with this (any when absent).
+    #[serde(default)]
+    pub path_prefix: Option<String>,
+    /// The cost, in rate units (≥ 1).
+    pub cost: u32,
+}
+
+impl CostRule {
+    fn matches(&self, method: &http::Method, path: &str) -> bool {
+        self.method.as_ref().is_none_or(|m| m == method)
+            && self
+                .path_prefix
+                .as_ref()
+                .is_none_or(|p| path.starts_with(p.as_str()))
+    }
+}
+
+fn method<'de, D: Deserializer<'de>>(d: D) -> Result<Option<http::Method>, D::Error> {
+    let text = String::deserialize(d)?;
+    http::Method::from_bytes(text.to_ascii_uppercase().as_bytes())
+        .map(Some)
+        .map_err(|_| de::Error::custom(format!("invalid method {text:?}")))
+}
+
+/// A byte size: a number of bytes, or a string like `"512KiB"`, `"1MiB"`, `"10MB"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        let bad = |t: &str| {
+            de::Error::custom(format!(
+                "invalid size {t:?}: expected bytes as a number or e.g. \"64KiB\", \"1MiB\", \"10MB\""
+            ))
+        };
+        let text = match Raw::deserialize(d).map_err(|_| bad("?"))? {
+            Raw::Number(n) => return Ok(ByteSize(n)),
+            Raw::Text(text) => text,
+        };
+        let t = text.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (digits, unit) = t.split_at(split);
+        let n: u64 = digits.parse().map_err(|_| bad(&text))?;
+        let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "kb" => 1000,
+            "kib" => 1 << 10,
+            "mb" => 1_000_000,
+            "mib" => 1 << 20,
+            "gb" => 1_000_000_000,
+            "gib" => 1 << 30,
+            _ => return Err(bad(&text)),
+        };
+        n.checked_mul(scale).map(ByteSize).ok_or_else(|| bad(&text))
+    }
 }
 
 /// A duration written the humane way: `"250ms"`, `"10s"`, `"5m"`, `"1h 30m"`.
@@ -126,7 +378,11 @@ impl<'de> Deserialize<'de> for ConnectPorts {
             match item {
                 toml::Value::String(s) if s == "*" => return Ok(ConnectPorts::Any),
                 toml::Value::Integer(n) if (1..=65535).contains(n) => ports.push(*n as u16),
-                other => return Err(de::Error::custom(format!("invalid port {other}: {EXPECTED}"))),
+                other => {
+                    return Err(de::Error::custom(format!(
+                        "invalid port {other}: {EXPECTED}"
+                    )))
+                }
             }
         }
         Ok(ConnectPorts::Only(ports))
@@ -263,7 +519,8 @@ impl Config {
         };
         let raw: RawConfig =
             toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
-        raw.check().map_err(|(span, message)| at(Some(span), message))
+        raw.check()
+            .map_err(|(span, message)| at(Some(span), message))
     }
 }
 
@@ -275,25 +532,154 @@ struct RawConfig {
     proxy: ProxyConfig,
     #[serde(default)]
     route: Vec<Spanned<RouteConfig>>,
+    #[serde(default)]
+    defaults: RawSettings,
+    #[serde(default)]
+    limit: Vec<Spanned<RawLimit>>,
+    #[serde(default)]
+    admin: Option<AdminConfig>,
+}
+
+/// Group settings as written: every key optional, so `[[limit]]` inherits `[defaults]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettings {
+    rate: Option<Rates>,
+    burst: Option<Spanned<u32>>,
+    concurrency: Option<Spanned<usize>>,
+    queue: Option<Spanned<usize>>,
+    max_wait: Option<Dur>,
+    #[serde(default)]
+    costs: Vec<Spanned<CostRule>>,
+    max_replay_body: Option<ByteSize>,
+}
+
+/// A `[[limit]]` as written. The settings keys are those of [`RawSettings`], listed
+/// again because `#[serde(flatten)]` would lose both unknown-key errors and spans.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    name: String,
+    hosts: Vec<HostPattern>,
+    rate: Option<Rates>,
+    burst: Option<Spanned<u32>>,
+    concurrency: Option<Spanned<usize>>,
+    queue: Option<Spanned<usize>>,
+    max_wait: Option<Dur>,
+    #[serde(default)]
+    costs: Vec<Spanned<CostRule>>,
+    max_replay_body: Option<ByteSize>,
+}
+
+impl RawLimit {
+    fn settings(self) -> (String, Vec<HostPattern>, RawSettings) {
+        let settings = RawSettings {
+            rate: self.rate,
+            burst: self.burst,
+            concurrency: self.concurrency,
+            queue: self.queue,
+            max_wait: self.max_wait,
+            costs: self.costs,
+            max_replay_body: self.max_replay_body,
+        };
+        (self.name, self.hosts, settings)
+    }
+}
+
+type Located = (Range<usize>, String);
+
+impl RawSettings {
+    /// These settings over `base`, checked.
+    fn resolve(self, base: &GroupSettings) -> Result<GroupSettings, Located> {
+        fn at_least_one<T: Copy + PartialOrd + From<u8>>(
+            value: Option<Spanned<T>>,
+            key: &str,
+            fallback: T,
+        ) -> Result<T, Located> {
+            match value {
+                Some(v) if *v.get_ref() < T::from(1) => {
+                    Err((v.span(), format!("{key} must be at least 1")))
+                }
+                Some(v) => Ok(v.into_inner()),
+                None => Ok(fallback),
+            }
+        }
+        for rule in &self.costs {
+            if rule.get_ref().cost == 0 {
+                return Err((rule.span(), "cost must be at least 1".into()));
+            }
+        }
+        Ok(GroupSettings {
+            rates: self.rate.map_or_else(|| base.rates.clone(), |r| r.0),
+            burst: at_least_one(self.burst, "burst", base.burst)?,
+            concurrency: at_least_one(self.concurrency, "concurrency", base.concurrency)?,
+            queue: at_least_one(self.queue, "queue", base.queue)?,
+            max_wait: self.max_wait.map_or(base.max_wait, |d| d.0),
+            costs: if self.costs.is_empty() {
+                base.costs.clone()
+            } else {
+                self.costs.into_iter().map(Spanned::into_inner).collect()
+            },
+            max_replay_body: self.max_replay_body.map_or(base.max_replay_body, |b| b.0),
+        })
+    }
 }
 
 impl RawConfig {
-    fn check(self) -> Result<Config, (Range<usize>, String)> {
+    fn check(self) -> Result<Config, Located> {
+        let defaults = self.defaults.resolve(&GroupSettings::default())?;
+
+        let mut limits: Vec<LimitGroup> = Vec::new();
+        let mut hosts = HashSet::new();
+        for limit in self.limit {
+            let span = limit.span();
+            let (name, group_hosts, settings) = limit.into_inner().settings();
+            if name.trim().is_empty() {
+                return Err((span, "a [[limit]] needs a name".into()));
+            }
+            if limits.iter().any(|l| l.name == name) {
+                return Err((span, format!("limit {name:?} is defined twice")));
+            }
+            if group_hosts.is_empty() {
+                return Err((span, format!("limit {name:?} lists no hosts")));
+            }
+            for host in &group_hosts {
+                if !hosts.insert(host.clone()) {
+                    return Err((span, format!("host {host:?} is in two [[limit]] groups")));
+                }
+            }
+            limits.push(LimitGroup {
+                name,
+                hosts: group_hosts,
+                settings: settings.resolve(&defaults)?,
+            });
+        }
+
         let mut prefixes = HashSet::new();
         for route in &self.route {
-            if !prefixes.insert(route.get_ref().prefix.as_str().to_string()) {
+            let r = route.get_ref();
+            if !prefixes.insert(r.prefix.as_str().to_string()) {
                 return Err((
                     route.span(),
-                    format!(
-                        "route prefix {:?} is defined twice",
-                        route.get_ref().prefix.as_str()
-                    ),
+                    format!("route prefix {:?} is defined twice", r.prefix.as_str()),
                 ));
+            }
+            if let Some(name) = &r.limit {
+                if !limits.iter().any(|l| &l.name == name) {
+                    let known: Vec<&str> = limits.iter().map(|l| l.name.as_str()).collect();
+                    return Err((
+                        route.span(),
+                        format!("route {:?} names limit {name:?}, which is not defined (limits: {known:?})", r.prefix.as_str()),
+                    ));
+                }
             }
         }
         Ok(Config {
             proxy: self.proxy,
             routes: self.route.into_iter().map(Spanned::into_inner).collect(),
+            defaults,
+            limits,
+            admin: self.admin,
         })
     }
 }
@@ -352,7 +738,10 @@ mod tests {
     #[test]
     fn unknown_key_names_line_and_column() {
         let e = err("[proxy]\nlisten = \"127.0.0.1:1\"\n  conect_timeout = \"1s\"\n");
-        assert!(e.starts_with("t.toml:3:3: unknown field `conect_timeout`"), "{e}");
+        assert!(
+            e.starts_with("t.toml:3:3: unknown field `conect_timeout`"),
+            "{e}"
+        );
         assert!(e.contains("expected one of"), "{e}");
     }
 
@@ -363,7 +752,10 @@ mod tests {
         let e = err("[proxy]\nconnect_ports = [443, 0]\n");
         assert!(e.contains("invalid port 0"), "{e}");
         let e = err("[[route]]\nprefix = \"/a/\"\nupstream = \"ftp://x\"\n");
-        assert!(e.starts_with("t.toml:3:12:") && e.contains("http or https"), "{e}");
+        assert!(
+            e.starts_with("t.toml:3:12:") && e.contains("http or https"),
+            "{e}"
+        );
         let e = err("[[route]]\nprefix = \"a\"\nupstream = \"http://x\"\n");
         assert!(e.contains("starting with '/'"), "{e}");
     }
@@ -373,5 +765,83 @@ mod tests {
         let e = err("[[route]]\nprefix = \"/a\"\nupstream = \"http://x\"\n\n[[route]]\nprefix = \"/a/\"\nupstream = \"http://y\"\n");
         assert!(e.starts_with("t.toml:5:1:"), "{e}"); // the second [[route]]
         assert!(e.contains("defined twice"), "{e}");
+    }
+
+    #[test]
+    fn limits_inherit_defaults_and_parse_rates() {
+        let c = Config::parse(
+            r#"
+            [defaults]
+            rate = "50/s"
+            concurrency = 16
+            max_wait = "5s"
+            [[limit]]
+            name = "github"
+            hosts = ["api.github.com", "*.githubusercontent.com"]
+            rate = ["10/s", "5000/h", "100/10s"]
+            burst = 5
+            costs = [{ method = "post", path_prefix = "/search", cost = 5 }]
+            [[route]]
+            prefix = "/gh/"
+            upstream = "https://api.github.com"
+            limit = "github"
+            "#,
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(c.defaults.rates[0].limit, 50);
+        let gh = &c.limits[0].settings;
+        assert_eq!(gh.rates.len(), 3);
+        assert_eq!(gh.rates[2].period, Duration::from_secs(10));
+        assert_eq!((gh.burst, gh.concurrency, gh.queue), (5, 16, 10_000));
+        assert_eq!(gh.max_wait, Duration::from_secs(5));
+        assert_eq!(gh.cost_of(&http::Method::POST, "/search/code"), 5);
+        assert_eq!(gh.cost_of(&http::Method::GET, "/search/code"), 1);
+        assert_eq!(
+            c.limits[0].hosts[1],
+            HostPattern::Suffix(".githubusercontent.com".into())
+        );
+        assert_eq!(c.routes[0].limit.as_deref(), Some("github"));
+    }
+
+    #[test]
+    fn rate_grammar() {
+        let r: Rate = "100/10s".parse().unwrap();
+        assert_eq!((r.limit, r.period), (100, Duration::from_secs(10)));
+        assert_eq!(
+            "5/m".parse::<Rate>().unwrap().period,
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            "1/d".parse::<Rate>().unwrap().period,
+            Duration::from_secs(86_400)
+        );
+        for bad in ["10", "0/s", "10/parsec", "x/s", "10/0s"] {
+            assert!(bad.parse::<Rate>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn limit_errors_point_at_the_problem() {
+        let e = err("[defaults]\nrate = \"10/fortnight\"\n");
+        assert!(e.starts_with("t.toml:2:8: invalid rate"), "{e}");
+        let e = err("[[limit]]\nname = \"a\"\nhosts = [\"x\"]\nburst = 0\n");
+        assert!(e.starts_with("t.toml:4:9: burst must be at least 1"), "{e}");
+        let e = err("[[limit]]\nname = \"a\"\nhosts = [\"x\"]\nrates = \"1/s\"\n");
+        assert!(e.contains("unknown field `rates`"), "{e}");
+        let e = err(
+            "[[limit]]\nname = \"a\"\nhosts = [\"x\"]\n[[limit]]\nname = \"b\"\nhosts = [\"x\"]\n",
+        );
+        assert!(
+            e.starts_with("t.toml:4:1:") && e.contains("two [[limit]] groups"),
+            "{e}"
+        );
+        let e = err("[[route]]\nprefix = \"/a/\"\nupstream = \"http://x\"\nlimit = \"nope\"\n");
+        assert!(
+            e.contains("names limit \"nope\", which is not defined"),
+            "{e}"
+        );
+        let e = err("[defaults]\nmax_replay_body = \"1 parsec\"\n");
+        assert!(e.contains("invalid size"), "{e}");
     }
 }

@@ -89,6 +89,26 @@ pub enum ProxyError {
         /// The configured limit.
         after: Duration,
     },
+    /// The group's queue was full.
+    #[error("queue full: group {group} already has {queue} requests waiting")]
+    QueueFull {
+        /// The group's name.
+        group: String,
+        /// The group's `queue` bound.
+        queue: usize,
+        /// An estimate of when a request could get through.
+        retry_after: Duration,
+    },
+    /// The request waited the group's `max_wait` without getting through.
+    #[error("waited {} in the queue of group {group} (max_wait) without getting through", humantime::format_duration(*.waited))]
+    QueueTimeout {
+        /// The group's name.
+        group: String,
+        /// How long the request waited, rounded to milliseconds.
+        waited: Duration,
+        /// An estimate of when a request could get through.
+        retry_after: Duration,
+    },
     /// The upstream broke the exchange (closed early, spoke bad HTTP, ...).
     #[error("{authority} failed: {reason}")]
     Upstream {
@@ -118,6 +138,7 @@ impl ProxyError {
             Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
             ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            QueueFull { .. } | QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -136,6 +157,38 @@ impl ProxyError {
             Tls { .. } => "tls_protocol_error",
             ResponseTimeout { .. } => "http_response_timeout",
             Upstream { .. } => "http_protocol_error",
+            // RFC 9209 has no queue types: the request was denied by tollgate's own
+            // policy, and `details` says which bound.
+            QueueFull { .. } | QueueTimeout { .. } => "http_request_denied",
+        }
+    }
+
+    /// The error for a request its group refused.
+    pub fn refused(group: &crate::limit::Group, refusal: crate::limit::Refusal) -> ProxyError {
+        let name = group.name.to_string();
+        match refusal {
+            crate::limit::Refusal::QueueFull { retry_after } => ProxyError::QueueFull {
+                group: name,
+                queue: group.settings.queue,
+                retry_after,
+            },
+            crate::limit::Refusal::MaxWait {
+                waited,
+                retry_after,
+            } => ProxyError::QueueTimeout {
+                group: name,
+                waited: Duration::from_millis(waited.as_millis() as u64),
+                retry_after,
+            },
+        }
+    }
+
+    /// When the client may try again, for refusals that know.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ProxyError::QueueFull { retry_after, .. }
+            | ProxyError::QueueTimeout { retry_after, .. } => Some(*retry_after),
+            _ => None,
         }
     }
 
@@ -153,6 +206,12 @@ impl ProxyError {
             "proxy-status",
             proxy_status(self.proxy_status_error(), &text),
         );
+        if let Some(after) = self.retry_after() {
+            // Whole seconds (RFC 9110 §10.2.3), rounded up and at least 1 so a client
+            // that honours it does not come straight back.
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
         resp
     }
 }
@@ -197,6 +256,9 @@ mod tests {
         .into_response();
         assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
         let ps = resp.headers()["proxy-status"].to_str().unwrap();
-        assert!(ps.starts_with("tollgate; error=connection_timeout;"), "{ps}");
+        assert!(
+            ps.starts_with("tollgate; error=connection_timeout;"),
+            "{ps}"
+        );
     }
 }

@@ -9,20 +9,26 @@
 //!   drains them on shutdown;
 //! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
 //! * [`proxy`] — builds the tower stack; the one place where layer order is visible;
+//! * [`limit`] — groups, GCRA rates, the FIFO queue and concurrency permits, as a tower
+//!   layer ([`limit::layer`]);
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
 //! * [`upstream`] — pooled hyper client over rustls, timeouts, hop-by-hop headers;
 //! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209).
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
-//! file:line:column errors) and [`body`] (the one streamed body type).
+//! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
+//! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod body;
 pub mod classify;
 pub mod config;
 pub mod error;
+pub mod limit;
+pub mod metrics;
 pub mod proxy;
 pub mod ratelimit_headers;
 pub mod retry_after;

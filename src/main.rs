@@ -87,8 +87,21 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let admin = match config.admin.as_ref().map(|a| a.listen) {
+        None => None,
+        Some(addr) => match TcpListener::bind(addr).await {
+            Ok(admin) => {
+                tracing::info!(listen = %addr, "admin endpoints listening");
+                Some(admin)
+            }
+            Err(e) => {
+                eprintln!("tollgate: cannot listen on {addr} (admin): {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
     tracing::info!(%listen, "tollgate listening");
-    match tollgate::server::run(listener, config, shutdown_signal()).await {
+    match tollgate::server::run_with_admin(listener, admin, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: {e}");

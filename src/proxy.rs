@@ -1,8 +1,10 @@
 //! The service stack a request passes through — the one place where layer order shows.
 //!
 //! ```text
-//! classify ─► [layers added by later stages] ─► Dispatch ─┬─► tunnel::open   (CONNECT)
-//!                                                          └─► Upstream::send (everything else)
+//! Proxy::handle: classify → pick the group → read a small body
+//!   └─► Throttle (limit::layer): wait in the group's queue, take a concurrency permit
+//!        └─► Dispatch ─┬─► tunnel::open   (CONNECT: the permit lives as long as the tunnel)
+//!                      └─► Upstream::send (the permit lives until the response body ends)
 //! ```
 //!
 //! [`Proxy::handle`] is the outermost service and never fails: a [`ProxyError`] from any
@@ -11,18 +13,23 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
+use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceBuilder};
 
-use crate::body::{self, Body};
+use crate::body::{self, Body, Buffered};
 use crate::classify::{Classifier, Target};
 use crate::config::{Config, ConfigError};
 use crate::error::ProxyError;
+use crate::limit::layer::{Arrival, ThrottleLayer, TunnelPermit};
+use crate::limit::Limits;
+use crate::metrics::Metrics;
 use crate::tunnel;
 use crate::upstream::{Dialer, Upstream};
 
@@ -33,6 +40,8 @@ type Stack = BoxCloneSyncService<Request<Body>, Response<Body>, ProxyError>;
 /// connections.
 pub struct Proxy {
     classifier: Classifier,
+    limits: Arc<Limits>,
+    metrics: Arc<Metrics>,
     stack: Stack,
     tunnels: TaskTracker,
 }
@@ -48,15 +57,19 @@ impl Proxy {
                 file: "proxy.ca_file".into(),
                 message,
             })?;
+        let metrics = Arc::new(Metrics::new());
+        let limits = Arc::new(Limits::new(config, metrics.clone()));
         let tunnels = TaskTracker::new();
         let dispatch = Dispatch {
             upstream,
             dialer,
             tunnels: tunnels.clone(),
         };
-        let stack = ServiceBuilder::new().service(dispatch);
+        let stack = ServiceBuilder::new().layer(ThrottleLayer).service(dispatch);
         Ok(Proxy {
             classifier: Classifier::new(config),
+            limits,
+            metrics,
             stack: BoxCloneSyncService::new(stack),
             tunnels,
         })
@@ -64,28 +77,57 @@ impl Proxy {
 
     /// Serves one request from a client connected to `local`. Never fails.
     pub async fn handle(&self, req: Request<Incoming>, local: SocketAddr) -> Response<Body> {
+        let arrived = Instant::now();
         let mut req = req.map(body::boxed);
         let target = match self.classifier.classify(&mut req, local) {
             Ok(target) => target,
             Err(e) => return e.into_response(),
         };
-        tracing::debug!(method = %req.method(), uri = %req.uri(), ?target.kind, "request");
-        req.extensions_mut().insert(target);
+        let group = self.limits.group_for(&target.host, target.limit.as_deref());
+        tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
+
+        // hyper only notices that a client went away once its request body has been
+        // read; reading small bodies now means a client that leaves while queued is
+        // noticed, and its request never sent.
+        if req.method() != Method::CONNECT && !http_body::Body::is_end_stream(req.body()) {
+            let (parts, body) = req.into_parts();
+            let body = match body::read_up_to(body, group.settings.max_replay_body).await {
+                Ok(Buffered::Complete(bytes)) => body::full(bytes),
+                Ok(Buffered::Streaming(body)) => body,
+                Err(e) => {
+                    return ProxyError::BadRequest(format!("reading the request body failed: {e}"))
+                        .into_response()
+                }
+            };
+            req = Request::from_parts(parts, body);
+        }
+
+        let extensions = req.extensions_mut();
+        extensions.insert(target);
+        extensions.insert(group);
+        extensions.insert(Arrival(arrived));
+
         // Calling through `Service::call` on a clone (rather than `oneshot` in this async
         // fn) keeps rustc from asking for a higher-ranked `Service` impl it cannot prove.
         let mut stack = self.stack.clone();
-        let ready = std::future::poll_fn(|cx| stack.poll_ready(cx)).await;
-        let outcome = match ready {
+        let outcome = match std::future::poll_fn(|cx| stack.poll_ready(cx)).await {
             Ok(()) => stack.call(req).await,
             Err(e) => Err(e),
         };
-        match outcome {
-            Ok(resp) => resp,
-            Err(e) => {
-                tracing::debug!(error = %e, "request failed");
-                e.into_response()
-            }
-        }
+        outcome.unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "request failed");
+            e.into_response()
+        })
+    }
+
+    /// The groups, for the admin endpoints.
+    pub fn limits(&self) -> &Arc<Limits> {
+        &self.limits
+    }
+
+    /// The metrics, for the admin endpoints.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// The open CONNECT tunnels, which shutdown waits for.
@@ -120,7 +162,11 @@ impl Service<Request<Body>> for Dispatch {
                     .get::<Target>()
                     .cloned()
                     .expect("classify inserts the target");
-                tunnel::open(&this.dialer, &this.tunnels, &target, req, ()).await
+                let permit = req
+                    .extensions()
+                    .get::<TunnelPermit>()
+                    .and_then(|p| p.take());
+                tunnel::open(&this.dialer, &this.tunnels, &target, req, permit).await
             } else {
                 this.upstream.send(req).await
             }

@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
@@ -25,8 +26,28 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConfigError> {
+    run_with_admin(listener, None, config, shutdown).await
+}
+
+/// Like [`run`], and serves the admin endpoints on `admin` too, when given.
+pub async fn run_with_admin(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ConfigError> {
     let proxy = Arc::new(Proxy::new(&config)?);
+    let stop = CancellationToken::new();
+    if let Some(admin) = admin {
+        let stop = stop.clone();
+        tokio::spawn(crate::admin::serve(
+            admin,
+            proxy.clone(),
+            stop.cancelled_owned(),
+        ));
+    }
     serve(listener, proxy, &config.proxy, shutdown).await;
+    stop.cancel();
     Ok(())
 }
 

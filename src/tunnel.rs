@@ -39,7 +39,9 @@ pub async fn open<H: Send + 'static>(
                     Err(e) => tracing::debug!(%authority, error = %e, "tunnel ended with an error"),
                 }
             }
-            Err(e) => tracing::debug!(%authority, error = %e, "client left before the tunnel opened"),
+            Err(e) => {
+                tracing::debug!(%authority, error = %e, "client left before the tunnel opened")
+            }
         }
     });
     let mut resp = Response::new(body::empty());

@@ -91,12 +91,13 @@ impl Dialer {
         let host = host.trim_start_matches('[').trim_end_matches(']');
         let authority = format!("{host}:{port}");
         let attempt = async {
-            let addrs = tokio::net::lookup_host((host, port))
-                .await
-                .map_err(|e| ProxyError::Dns {
-                    host: host.to_string(),
-                    reason: e.to_string(),
-                })?;
+            let addrs =
+                tokio::net::lookup_host((host, port))
+                    .await
+                    .map_err(|e| ProxyError::Dns {
+                        host: host.to_string(),
+                        reason: e.to_string(),
+                    })?;
             let mut last_error = None;
             for addr in addrs {
                 match TcpStream::connect(addr).await {
@@ -366,8 +367,17 @@ mod tests {
 
     #[test]
     fn authority_fills_default_ports() {
-        assert_eq!(authority_of(&"https://a.example/x".parse().unwrap()), "a.example:443");
-        assert_eq!(authority_of(&"http://a.example/x".parse().unwrap()), "a.example:80");
-        assert_eq!(authority_of(&"http://[::1]:81/".parse().unwrap()), "[::1]:81");
+        assert_eq!(
+            authority_of(&"https://a.example/x".parse().unwrap()),
+            "a.example:443"
+        );
+        assert_eq!(
+            authority_of(&"http://a.example/x".parse().unwrap()),
+            "a.example:80"
+        );
+        assert_eq!(
+            authority_of(&"http://[::1]:81/".parse().unwrap()),
+            "[::1]:81"
+        );
     }
 }

@@ -1,0 +1,609 @@
+//! One budget: a FIFO queue in front of a rate (GCRA) and a concurrency limit.
+//!
+//! Requests of a group leave in arrival order. Only the request at the head of the queue
+//! looks at the clock: it holds the group's *turn*, waits for a pause to end, for the rate
+//! to allow it, and for a concurrency permit, then records its departure and hands the turn
+//! to the next request. Everyone else waits on a one-shot channel, so a group with 10 000
+//! waiting requests has one timer, not 10 000, and a waiter that goes away (client gone,
+//! `max_wait` reached) just leaves the queue.
+//!
+//! The rate state (one TAT per rate) is only changed at a departure, by the turn holder,
+//! so a request that is cancelled while waiting never uses up a slot.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use super::gcra::{self, Gcra};
+use crate::config::GroupSettings;
+use crate::metrics::GroupMetrics;
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// `queue` requests were already waiting.
+    QueueFull {
+        /// An estimate of when the queue will have room.
+        retry_after: Duration,
+    },
+    /// The request waited `max_wait` without reaching the head and leaving.
+    MaxWait {
+        /// How long it waited.
+        waited: Duration,
+        /// An estimate of when a new request could leave.
+        retry_after: Duration,
+    },
+}
+
+/// A budget shared by all requests to the hosts of one group.
+pub struct Group {
+    /// The group's name: a `[[limit]]` name, or the host for an unlisted host.
+    pub name: Arc<str>,
+    /// The settings it was built from.
+    pub settings: GroupSettings,
+    /// The rates in GCRA form (empty: no rate limit).
+    rates: Vec<Gcra>,
+    /// Concurrency permits; tokio's semaphore is FIFO, and only the turn holder asks.
+    permits: Arc<Semaphore>,
+    /// Origin of the `Duration` times in the rate state.
+    epoch: Instant,
+    state: Mutex<State>,
+    /// This group's metric handles.
+    pub metrics: GroupMetrics,
+}
+
+/// What changes as requests come and go.
+struct State {
+    /// One TAT per rate, as an offset from `epoch`.
+    tats: Vec<Duration>,
+    /// Requests waiting for the turn, in order; a smaller key goes first.
+    waiting: BTreeMap<i64, oneshot::Sender<()>>,
+    /// Key for the next request at the back / front of the queue.
+    next_back: i64,
+    next_front: i64,
+    /// Whether some request holds the turn.
+    turn_taken: bool,
+    /// Requests admitted to the queue and not yet departed (waiting + the turn holder).
+    queued: usize,
+    /// Their total cost, for the `Retry-After` estimate.
+    queued_cost: u64,
+    /// Nothing leaves before this (upstream push-back).
+    paused_until: Option<Instant>,
+}
+
+/// A snapshot of a group for the admin `/status` page.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GroupStatus {
+    /// The group's name.
+    pub name: String,
+    /// Requests waiting or at the head of the queue.
+    pub queued: usize,
+    /// Requests holding a concurrency permit.
+    pub in_flight: usize,
+    /// Seconds until the upstream's pause ends, if paused.
+    pub paused_for_seconds: Option<f64>,
+}
+
+impl Group {
+    /// A new, idle group.
+    pub fn new(name: Arc<str>, settings: GroupSettings, metrics: GroupMetrics) -> Group {
+        let rates: Vec<Gcra> = settings
+            .rates
+            .iter()
+            .map(|r| Gcra::new(r.limit, r.period, settings.burst))
+            .collect();
+        Group {
+            name,
+            permits: Arc::new(Semaphore::new(settings.concurrency)),
+            epoch: Instant::now(),
+            state: Mutex::new(State {
+                tats: vec![Duration::ZERO; rates.len()],
+                waiting: BTreeMap::new(),
+                next_back: 0,
+                next_front: -1,
+                turn_taken: false,
+                queued: 0,
+                queued_cost: 0,
+                paused_until: None,
+            }),
+            rates,
+            settings,
+            metrics,
+        }
+    }
+
+    /// Waits until a request of `cost` may leave, in FIFO order, and returns the
+    /// concurrency permit it holds while in flight. `front` puts it at the head of the
+    /// queue (a request the upstream refused, retried). Refused when the queue is full or
+    /// when `deadline` passes first. Dropping the future leaves the queue.
+    pub async fn admit(
+        self: &Arc<Self>,
+        cost: u32,
+        arrived: Instant,
+        deadline: Instant,
+        front: bool,
+    ) -> Result<Permit, Refusal> {
+        let mut place = self.enqueue(cost, front)?;
+        let waited = async {
+            place.wait_for_turn().await;
+            self.wait_to_leave(cost).await
+        };
+        match tokio::time::timeout_at(deadline, waited).await {
+            Ok(permit) => {
+                place.departed();
+                self.metrics
+                    .queue_wait
+                    .observe(arrived.elapsed().as_secs_f64());
+                self.metrics.admitted.inc();
+                Ok(permit)
+            }
+            Err(_) => {
+                place.departed();
+                self.metrics.max_wait.inc();
+                Err(Refusal::MaxWait {
+                    waited: arrived.elapsed(),
+                    retry_after: self.estimate_wait(),
+                })
+            }
+        }
+    }
+
+    /// Holds every request of the group until `until` (upstream push-back). A later
+    /// pause extends an earlier one; an earlier one never shortens it.
+    pub fn pause_until(&self, until: Instant) {
+        let mut state = self.lock();
+        state.paused_until = Some(state.paused_until.map_or(until, |p| p.max(until)));
+    }
+
+    /// When the current pause ends, if the group is paused.
+    pub fn paused_until(&self) -> Option<Instant> {
+        self.lock().paused_until.filter(|p| *p > Instant::now())
+    }
+
+    /// A snapshot for `/status`.
+    pub fn status(&self) -> GroupStatus {
+        let state = self.lock();
+        let now = Instant::now();
+        GroupStatus {
+            name: self.name.to_string(),
+            queued: state.queued,
+            in_flight: self.settings.concurrency - self.permits.available_permits(),
+            paused_for_seconds: state
+                .paused_until
+                .filter(|p| *p > now)
+                .map(|p| (p - now).as_secs_f64()),
+        }
+    }
+
+    /// Whether the group holds no state worth keeping: nothing queued, in flight or
+    /// paused, and its rates back to idle. An idle group can be dropped and rebuilt later
+    /// without any request noticing.
+    pub fn is_idle(&self) -> bool {
+        let state = self.lock();
+        let now = Instant::now();
+        let since_epoch = now - self.epoch;
+        state.queued == 0
+            && self.permits.available_permits() == self.settings.concurrency
+            && state.paused_until.is_none_or(|p| p <= now)
+            && state.tats.iter().all(|tat| *tat <= since_epoch)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is plain counters and times, valid after any panic of a holder.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Joins the queue (or takes the turn at once when nobody is ahead).
+    fn enqueue(self: &Arc<Self>, cost: u32, front: bool) -> Result<Place, Refusal> {
+        let mut state = self.lock();
+        // A retried request was admitted before; it does not count against the bound.
+        if !front && state.queued >= self.settings.queue {
+            drop(state);
+            self.metrics.queue_full.inc();
+            return Err(Refusal::QueueFull {
+                retry_after: self.estimate_wait(),
+            });
+        }
+        state.queued += 1;
+        state.queued_cost += u64::from(cost);
+        self.metrics.queue_depth.set(state.queued as i64);
+        let stage = if !state.turn_taken && state.waiting.is_empty() {
+            state.turn_taken = true;
+            Stage::HasTurn
+        } else {
+            let (tx, rx) = oneshot::channel();
+            let key = if front {
+                state.next_front -= 1;
+                state.next_front + 1
+            } else {
+                state.next_back += 1;
+                state.next_back - 1
+            };
+            state.waiting.insert(key, tx);
+            Stage::Waiting(key, rx)
+        };
+        Ok(Place {
+            group: self.clone(),
+            cost,
+            stage,
+        })
+    }
+
+    /// Holding the turn: waits out a pause, the rate and a concurrency permit, then
+    /// records the departure in the rate state.
+    async fn wait_to_leave(self: &Arc<Self>, cost: u32) -> Permit {
+        let mut permit = None;
+        loop {
+            let now = Instant::now();
+            let wait_until = {
+                let state = self.lock();
+                let since_epoch = now - self.epoch;
+                let depart = gcra::earliest_all(&self.rates, &state.tats, since_epoch);
+                let paced = self.epoch + depart;
+                match state.paused_until {
+                    Some(pause) if pause > paced => pause,
+                    _ => paced,
+                }
+            };
+            if wait_until > now {
+                tokio::time::sleep_until(wait_until).await;
+                continue;
+            }
+            let Some(held) = permit.take() else {
+                // Waiting for a permit can take long (slow upstream); a pause or the
+                // rate may have changed meanwhile, so look again before leaving.
+                let acquired = self.permits.clone().acquire_owned().await;
+                permit = Some(acquired.expect("the semaphore is never closed"));
+                continue;
+            };
+            let mut state = self.lock();
+            let since_epoch = Instant::now() - self.epoch;
+            gcra::advance_all(&self.rates, &mut state.tats, since_epoch, cost);
+            return Permit::new(held, self.clone());
+        }
+    }
+
+    /// Passes the turn to the first waiter still there, or frees it.
+    fn pass_turn(state: &mut State) {
+        while let Some((_, next)) = state.waiting.pop_first() {
+            if next.send(()).is_ok() {
+                return;
+            }
+        }
+        state.turn_taken = false;
+    }
+
+    /// How long a request arriving now would wait: the rate's backlog for the queued
+    /// cost, or the pause, whichever is longer.
+    fn estimate_wait(&self) -> Duration {
+        let state = self.lock();
+        let now = Instant::now();
+        let since_epoch = now - self.epoch;
+        let ahead = u32::try_from(state.queued_cost).unwrap_or(u32::MAX);
+        let paced = self
+            .rates
+            .iter()
+            .zip(&state.tats)
+            .map(|(rate, tat)| {
+                (tat.saturating_sub(since_epoch) + rate.interval * ahead)
+                    .saturating_sub(rate.tolerance)
+            })
+            .max()
+            .unwrap_or_default();
+        let paused = state
+            .paused_until
+            .map_or(Duration::ZERO, |p| p.saturating_duration_since(now));
+        paced.max(paused)
+    }
+}
+
+/// Where a request is in its group's queue; leaving (drop) keeps the queue consistent.
+struct Place {
+    group: Arc<Group>,
+    cost: u32,
+    stage: Stage,
+}
+
+enum Stage {
+    /// In the queue under this key, until the turn arrives on the channel.
+    Waiting(i64, oneshot::Receiver<()>),
+    /// Holding the group's turn.
+    HasTurn,
+    /// Departed: no longer counted in the queue, turn passed on.
+    Gone,
+}
+
+impl Place {
+    async fn wait_for_turn(&mut self) {
+        if let Stage::Waiting(_, rx) = &mut self.stage {
+            // The sender is only dropped after `send`, or by `Place::drop` of this very
+            // waiter, so an error cannot happen while we are still polling.
+            let _ = rx.await;
+            self.stage = Stage::HasTurn;
+        }
+    }
+
+    /// The request is done with the queue (left for the upstream, or refused after
+    /// `max_wait`): out of the queue, turn to the next.
+    fn departed(&mut self) {
+        self.leave();
+        self.stage = Stage::Gone;
+    }
+
+    fn leave(&mut self) {
+        let group = &self.group;
+        let mut state = group.lock();
+        match std::mem::replace(&mut self.stage, Stage::Gone) {
+            Stage::Gone => return,
+            Stage::Waiting(key, _) => {
+                // Still in the map: it never got the turn. Gone from the map: the turn
+                // was sent to it just now, so it must be passed on.
+                if state.waiting.remove(&key).is_none() {
+                    Group::pass_turn(&mut state);
+                }
+            }
+            Stage::HasTurn => Group::pass_turn(&mut state),
+        }
+        state.queued -= 1;
+        state.queued_cost -= u64::from(self.cost);
+        group.metrics.queue_depth.set(state.queued as i64);
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if !matches!(self.stage, Stage::Gone) {
+            self.group.metrics.cancelled.inc();
+            self.leave();
+        }
+    }
+}
+
+/// A concurrency permit: the request is in flight until this is dropped (when the
+/// response body ends, or the tunnel closes).
+pub struct Permit {
+    _permit: OwnedSemaphorePermit,
+    group: Arc<Group>,
+}
+
+impl Permit {
+    fn new(permit: OwnedSemaphorePermit, group: Arc<Group>) -> Permit {
+        group.metrics.in_flight.inc();
+        Permit {
+            _permit: permit,
+            group,
+        }
+    }
+
+    /// The group this permit belongs to.
+    pub fn group(&self) -> &Arc<Group> {
+        &self.group
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.group.metrics.in_flight.dec();
+    }
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Permit({})", self.group.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Rate, Rates};
+    use crate::metrics::Metrics;
+
+    fn group(rate: &str, f: impl FnOnce(&mut GroupSettings)) -> Arc<Group> {
+        let mut settings = GroupSettings {
+            rates: if rate == "unlimited" {
+                vec![]
+            } else {
+                vec![rate.parse::<Rate>().unwrap()]
+            },
+            ..GroupSettings::default()
+        };
+        f(&mut settings);
+        let _ = Rates::default();
+        Arc::new(Group::new("g".into(), settings, Metrics::new().group("g")))
+    }
+
+    /// Starts `n` requests in order; returns their (index, departure ms) in departure
+    /// order. Each holds its permit for `hold`.
+    async fn run(g: &Arc<Group>, n: usize, hold: Duration) -> Vec<(usize, u128)> {
+        let start = Instant::now();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..n {
+            let g = g.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let now = Instant::now();
+                let permit = g
+                    .admit(1, now, now + g.settings.max_wait, false)
+                    .await
+                    .unwrap();
+                tx.send((i, start.elapsed().as_millis())).unwrap();
+                tokio::time::sleep(hold).await;
+                drop(permit);
+            });
+            // Let it join the queue before the next one arrives.
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        let mut out = vec![];
+        while let Some(x) = rx.recv().await {
+            out.push(x);
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_leave_in_order_at_the_pace() {
+        let g = group("10/s", |_| {});
+        let out = run(&g, 5, Duration::ZERO).await;
+        assert_eq!(out, [(0, 0), (1, 100), (2, 200), (3, 300), (4, 400)]);
+        assert_eq!(g.status().queued, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn concurrency_holds_the_next_until_a_permit_returns() {
+        let g = group("unlimited", |s| s.concurrency = 2);
+        let out = run(&g, 5, Duration::from_secs(1)).await;
+        let times: Vec<u128> = out.iter().map(|(_, t)| *t).collect();
+        assert_eq!(times, [0, 0, 1000, 1000, 2000]);
+        let order: Vec<usize> = out.iter().map(|(i, _)| *i).collect();
+        assert_eq!(order, [0, 1, 2, 3, 4]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_queue_is_refused_with_an_estimate() {
+        let g = group("1/s", |s| s.queue = 2);
+        let now = Instant::now();
+        let far = now + Duration::from_secs(60);
+        let first = g.admit(1, now, far, false).await.unwrap();
+        let g2 = g.clone();
+        let _second = tokio::spawn(async move { g2.admit(1, now, far, false).await });
+        let g3 = g.clone();
+        let _third = tokio::spawn(async move { g3.admit(1, now, far, false).await });
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        assert_eq!(g.status().queued, 2);
+        match g.admit(1, now, far, false).await {
+            Err(Refusal::QueueFull { retry_after }) => {
+                // Two queued at 1/s behind a slot taken just now: about 3 s.
+                assert!(retry_after >= Duration::from_secs(2), "{retry_after:?}");
+                assert!(retry_after <= Duration::from_secs(3), "{retry_after:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(g.metrics.queue_full.get(), 1);
+        drop(first);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn max_wait_refuses_and_frees_the_place() {
+        let g = group("1/10s", |s| s.max_wait = Duration::from_secs(1));
+        let now = Instant::now();
+        let _first = g
+            .admit(1, now, now + Duration::from_secs(1), false)
+            .await
+            .unwrap();
+        let refused = g.admit(1, now, now + Duration::from_secs(1), false).await;
+        assert!(
+            matches!(refused, Err(Refusal::MaxWait { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(Instant::now() - now, Duration::from_secs(1));
+        assert_eq!(g.status().queued, 0);
+        assert_eq!(
+            (g.metrics.max_wait.get(), g.metrics.cancelled.get()),
+            (1, 0)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_waiter_leaves_and_wastes_no_slot() {
+        let g = group("1/s", |_| {});
+        let start = Instant::now();
+        let far = start + Duration::from_secs(60);
+        let _first = g.admit(1, start, far, false).await.unwrap();
+        let g2 = g.clone();
+        let second = tokio::spawn(async move { g2.admit(1, start, far, false).await });
+        tokio::task::yield_now().await;
+        let g3 = g.clone();
+        let third = tokio::spawn(async move {
+            g3.admit(1, start, far, false).await.unwrap();
+            start.elapsed()
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(g.status().queued, 2);
+        // The second (head, sleeping until its slot) goes away: the third takes its slot.
+        second.abort();
+        assert!(second.await.unwrap_err().is_cancelled());
+        assert_eq!(third.await.unwrap(), Duration::from_secs(1));
+        assert_eq!(g.metrics.cancelled.get(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pause_holds_the_group_and_the_queue_keeps_its_order() {
+        let g = group("unlimited", |_| {});
+        g.pause_until(Instant::now() + Duration::from_secs(5));
+        let out = run(&g, 3, Duration::ZERO).await;
+        assert_eq!(out, [(0, 5000), (1, 5000), (2, 5000)]);
+        assert!(g.paused_until().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retried_request_goes_to_the_head() {
+        let g = group("1/s", |_| {});
+        let start = Instant::now();
+        let far = start + Duration::from_secs(60);
+        let _first = g.admit(1, start, far, false).await.unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (name, front) in [("a", false), ("b", false), ("retry", true)] {
+            let g = g.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _p = g.admit(1, start, far, front).await.unwrap();
+                tx.send((name, start.elapsed().as_millis())).unwrap();
+            });
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        let mut out = vec![];
+        while let Some(x) = rx.recv().await {
+            out.push(x);
+        }
+        // "a" already holds the turn (sleeping until 1 s); the retry is next, before "b".
+        assert_eq!(out, [("a", 1000), ("retry", 2000), ("b", 3000)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_heavy_request_is_not_overtaken() {
+        let g = group("10/s", |s| s.costs = vec![]);
+        let start = Instant::now();
+        let far = start + Duration::from_secs(60);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (name, cost) in [("light1", 1), ("heavy", 5), ("light2", 1)] {
+            let g = g.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _p = g.admit(cost, start, far, false).await.unwrap();
+                tx.send((name, start.elapsed().as_millis())).unwrap();
+            });
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        let mut out = vec![];
+        while let Some(x) = rx.recv().await {
+            out.push(x);
+        }
+        // The heavy one leaves at its turn and the next waits for its whole weight.
+        assert_eq!(out, [("light1", 0), ("heavy", 100), ("light2", 600)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_after_the_rate_recovers() {
+        let g = group("1/s", |_| {});
+        let now = Instant::now();
+        let p = g
+            .admit(1, now, now + Duration::from_secs(5), false)
+            .await
+            .unwrap();
+        assert!(!g.is_idle());
+        drop(p);
+        assert!(!g.is_idle(), "the TAT is still ahead");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(g.is_idle());
+    }
+}

@@ -1,0 +1,164 @@
+//! The throttle as tower middleware: each request waits its turn in its group, then
+//! goes on holding a concurrency permit until its response body ends.
+//!
+//! The group was chosen by [`crate::proxy::Proxy::handle`] and travels in the request's
+//! extensions, with the request's [`Arrival`] time (a retried request keeps its first
+//! arrival, so `max_wait` counts from when the client asked).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body::Frame;
+use tokio::time::Instant;
+use tower::{Layer, Service};
+
+use super::{Group, Permit};
+use crate::body::{self, Body, BoxError};
+use crate::error::ProxyError;
+
+/// When the client's request reached tollgate.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival(pub Instant);
+
+/// Marks a request that the upstream refused and that is retried: it goes to the head
+/// of its group's queue.
+#[derive(Debug, Clone, Copy)]
+pub struct Retrying;
+
+/// A CONNECT request's permit, handed to the tunnel, which holds it while open.
+/// (Extensions must be `Clone`; the permit is taken out exactly once.)
+#[derive(Debug, Clone)]
+pub struct TunnelPermit(Arc<Mutex<Option<Permit>>>);
+
+impl TunnelPermit {
+    /// Takes the permit out; `None` if already taken.
+    pub fn take(&self) -> Option<Permit> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Adds the throttle in front of a service.
+#[derive(Debug, Clone, Default)]
+pub struct ThrottleLayer;
+
+impl<S> Layer<S> for ThrottleLayer {
+    type Service = Throttle<S>;
+
+    fn layer(&self, inner: S) -> Throttle<S> {
+        Throttle { inner }
+    }
+}
+
+/// The throttle service (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct Throttle<S> {
+    inner: S,
+}
+
+impl<S> Service<Request<Body>> for Throttle<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        // Readiness is decided per request, by its group, inside the future.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            let group = req
+                .extensions()
+                .get::<Arc<Group>>()
+                .cloned()
+                .expect("the proxy puts the group in the extensions");
+            let arrived = req
+                .extensions()
+                .get::<Arrival>()
+                .map_or_else(Instant::now, |a| a.0);
+            let front = req.extensions().get::<Retrying>().is_some();
+            let cost = group.settings.cost_of(req.method(), req.uri().path());
+            let deadline = arrived + group.settings.max_wait;
+            let permit = group
+                .admit(cost, arrived, deadline, front)
+                .await
+                .map_err(|refusal| ProxyError::refused(&group, refusal))?;
+            if req.method() == Method::CONNECT {
+                req.extensions_mut()
+                    .insert(TunnelPermit(Arc::new(Mutex::new(Some(permit)))));
+                return call_boxed(&mut inner, req).await;
+            }
+            let response = call_boxed(&mut inner, req).await?;
+            Ok(response.map(|b| body::boxed(PermitBody::new(b, permit))))
+        })
+    }
+}
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
+
+/// Calls `inner` and erases its future's type. Awaiting `S::Future` directly inside the
+/// `async` block makes rustc demand `Send` for every lifetime of the boxed error type in
+/// `Body` (a known limitation of its higher-ranked reasoning); a boxed future is proven
+/// `Send` here, once, from the impl's own bounds.
+fn call_boxed<S>(inner: &mut S, req: Request<Body>) -> BoxFuture
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>,
+    S::Future: Send + 'static,
+{
+    Box::pin(inner.call(req))
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that holds the request's permit until it ends.
+    struct PermitBody {
+        #[pin]
+        inner: Body,
+        permit: Option<Permit>,
+    }
+}
+
+impl PermitBody {
+    fn new(inner: Body, permit: Permit) -> Self {
+        let permit = (!http_body::Body::is_end_stream(&inner)).then_some(permit);
+        PermitBody { inner, permit }
+    }
+}
+
+impl http_body::Body for PermitBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            // The exchange with the upstream is over: free the slot now rather than
+            // when hyper gets round to dropping the body.
+            this.permit.take();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,150 @@
+//! Throttling: which group a request belongs to, and the queue it waits in.
+//!
+//! * [`gcra`] — the rate decision, pure;
+//! * [`group`] — one group's FIFO queue, rate state, concurrency permits and pause;
+//! * [`layer`] — the tower layer that admits each request through its group;
+//! * this module — [`Limits`], the groups by name and host.
+//!
+//! Hosts listed in a `[[limit]]` share that group. Any other host gets a group of its
+//! own, built from `[defaults]` when first seen and evicted when idle, so memory follows
+//! the hosts in use, not every host ever seen.
+
+pub mod gcra;
+pub mod group;
+pub mod layer;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::config::{Config, GroupSettings, HostPattern};
+use crate::metrics::Metrics;
+pub use group::{Group, Permit, Refusal};
+
+/// Dynamic groups are swept when their count reaches this, or twice the count left
+/// after the last sweep, so sweeping costs O(1) per new host on average.
+const FIRST_SWEEP: usize = 1024;
+
+/// Every group, found by host or by name.
+pub struct Limits {
+    by_name: HashMap<String, Arc<Group>>,
+    by_host: HashMap<String, Arc<Group>>,
+    /// `(".domain", group)`, longest first so the most specific pattern wins.
+    by_suffix: Vec<(String, Arc<Group>)>,
+    defaults: GroupSettings,
+    dynamic: Mutex<Dynamic>,
+    metrics: Arc<Metrics>,
+}
+
+/// Groups of hosts that match no `[[limit]]`.
+struct Dynamic {
+    groups: HashMap<String, Arc<Group>>,
+    sweep_at: usize,
+}
+
+impl Limits {
+    /// Builds the configured groups.
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Limits {
+        let mut by_name = HashMap::new();
+        let mut by_host = HashMap::new();
+        let mut by_suffix = Vec::new();
+        for limit in &config.limits {
+            let group = Arc::new(Group::new(
+                limit.name.as_str().into(),
+                limit.settings.clone(),
+                metrics.group(&limit.name),
+            ));
+            for host in &limit.hosts {
+                match host {
+                    HostPattern::Exact(h) => by_host.insert(h.clone(), group.clone()),
+                    HostPattern::Suffix(s) => {
+                        by_suffix.push((s.clone(), group.clone()));
+                        None
+                    }
+                };
+            }
+            by_name.insert(limit.name.clone(), group);
+        }
+        by_suffix.sort_by_key(|(suffix, _)| std::cmp::Reverse(suffix.len()));
+        Limits {
+            by_name,
+            by_host,
+            by_suffix,
+            defaults: config.defaults.clone(),
+            dynamic: Mutex::new(Dynamic {
+                groups: HashMap::new(),
+                sweep_at: FIRST_SWEEP,
+            }),
+            metrics,
+        }
+    }
+
+    /// The group for a request to `host` (lower case), or the group `named` by its route.
+    pub fn group_for(&self, host: &str, named: Option<&str>) -> Arc<Group> {
+        if let Some(group) = named.and_then(|name| self.by_name.get(name)) {
+            return group.clone();
+        }
+        if let Some(group) = self.by_host.get(host) {
+            return group.clone();
+        }
+        if let Some((_, group)) = self
+            .by_suffix
+            .iter()
+            .find(|(s, _)| host.ends_with(s.as_str()))
+        {
+            return group.clone();
+        }
+        let mut dynamic = self.dynamic.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(group) = dynamic.groups.get(host) {
+            return group.clone();
+        }
+        if dynamic.groups.len() >= dynamic.sweep_at {
+            self.sweep(&mut dynamic);
+        }
+        let group = Arc::new(Group::new(
+            host.into(),
+            self.defaults.clone(),
+            self.metrics.group(host),
+        ));
+        dynamic.groups.insert(host.to_string(), group.clone());
+        group
+    }
+
+    /// Every group that exists now, configured ones first.
+    pub fn groups(&self) -> Vec<Arc<Group>> {
+        let mut all: Vec<Arc<Group>> = self.by_name.values().cloned().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        let dynamic = self.dynamic.lock().unwrap_or_else(|p| p.into_inner());
+        let mut hosts: Vec<Arc<Group>> = dynamic.groups.values().cloned().collect();
+        hosts.sort_by(|a, b| a.name.cmp(&b.name));
+        all.extend(hosts);
+        all
+    }
+
+    /// Drops dynamic groups nobody uses: no request holds them (the map's reference is
+    /// the only one, and new ones are only made under this lock) and their state is idle.
+    fn sweep(&self, dynamic: &mut Dynamic) {
+        let before = dynamic.groups.len();
+        dynamic.groups.retain(|host, group| {
+            let keep = Arc::strong_count(group) > 1 || !group.is_idle();
+            if !keep {
+                self.metrics.forget(host);
+            }
+            keep
+        });
+        dynamic.sweep_at = FIRST_SWEEP.max(2 * dynamic.groups.len());
+        tracing::debug!(
+            before,
+            after = dynamic.groups.len(),
+            "swept idle host groups"
+        );
+    }
+
+    /// How many groups for unlisted hosts exist (for tests and `/status`).
+    pub fn dynamic_groups(&self) -> usize {
+        self.dynamic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .groups
+            .len()
+    }
+}

@@ -1,0 +1,161 @@
+//! Prometheus metrics, served by the admin listener at `/metrics`.
+//!
+//! Each group takes its metric handles once, when it is created ([`Metrics::group`]), so
+//! the request path only touches atomics, never the label maps. When an idle group for an
+//! unlisted host is evicted its series are removed too ([`Metrics::forget`]), so a million
+//! distinct hosts cannot grow the registry without bound.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// The label of per-group series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GroupLabel {
+    group: String,
+}
+
+/// The labels of `tollgate_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    group: String,
+    outcome: &'static str,
+}
+
+/// What can happen to a request at the throttle, as the `outcome` label.
+const OUTCOMES: [&str; 4] = ["admitted", "queue_full", "max_wait", "cancelled"];
+
+type HistogramFamily = Family<GroupLabel, Histogram, fn() -> Histogram>;
+
+/// All of tollgate's metrics.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    queue_depth: Family<GroupLabel, Gauge>,
+    in_flight: Family<GroupLabel, Gauge>,
+    requests: Family<OutcomeLabels, Counter>,
+    queue_wait: HistogramFamily,
+}
+
+/// One group's metric handles (clones share the underlying atomics).
+#[derive(Clone, Debug)]
+pub struct GroupMetrics {
+    /// Requests waiting or at the head of the queue.
+    pub queue_depth: Gauge,
+    /// Requests holding a concurrency permit.
+    pub in_flight: Gauge,
+    /// Requests that left the queue for the upstream.
+    pub admitted: Counter,
+    /// Requests refused because the queue was full.
+    pub queue_full: Counter,
+    /// Requests refused after waiting `max_wait`.
+    pub max_wait: Counter,
+    /// Requests whose client left while they were queued.
+    pub cancelled: Counter,
+    /// Time from arrival to departure, in seconds.
+    pub queue_wait: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every family.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let queue_depth = Family::<GroupLabel, Gauge>::default();
+        let in_flight = Family::<GroupLabel, Gauge>::default();
+        let requests = Family::<OutcomeLabels, Counter>::default();
+        // 1 ms to ~65 s: from "no wait" to the default max_wait.
+        let queue_wait: HistogramFamily =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17)));
+        registry.register(
+            "tollgate_queue_depth",
+            "Requests waiting in the group's queue",
+            queue_depth.clone(),
+        );
+        registry.register(
+            "tollgate_in_flight",
+            "Requests of the group in flight to the upstream (or open tunnels)",
+            in_flight.clone(),
+        );
+        registry.register(
+            "tollgate_requests",
+            "Requests by group and what the throttle did with them",
+            requests.clone(),
+        );
+        registry.register(
+            "tollgate_queue_wait_seconds",
+            "Time requests spent queued before leaving for the upstream",
+            queue_wait.clone(),
+        );
+        Metrics {
+            registry: Mutex::new(registry),
+            queue_depth,
+            in_flight,
+            requests,
+            queue_wait,
+        }
+    }
+
+    /// The handles of group `name`, creating its series.
+    pub fn group(&self, name: &str) -> GroupMetrics {
+        let label = GroupLabel {
+            group: name.to_string(),
+        };
+        let outcome = |outcome| {
+            self.requests
+                .get_or_create(&OutcomeLabels {
+                    group: name.to_string(),
+                    outcome,
+                })
+                .clone()
+        };
+        GroupMetrics {
+            queue_depth: self.queue_depth.get_or_create(&label).clone(),
+            in_flight: self.in_flight.get_or_create(&label).clone(),
+            admitted: outcome(OUTCOMES[0]),
+            queue_full: outcome(OUTCOMES[1]),
+            max_wait: outcome(OUTCOMES[2]),
+            cancelled: outcome(OUTCOMES[3]),
+            queue_wait: self.queue_wait.get_or_create(&label).clone(),
+        }
+    }
+
+    /// Removes the series of an evicted group.
+    pub fn forget(&self, name: &str) {
+        let label = GroupLabel {
+            group: name.to_string(),
+        };
+        self.queue_depth.remove(&label);
+        self.in_flight.remove(&label);
+        self.queue_wait.remove(&label);
+        for outcome in OUTCOMES {
+            self.requests.remove(&OutcomeLabels {
+                group: name.to_string(),
+                outcome,
+            });
+        }
+    }
+
+    /// Lets later stages register their own families.
+    pub fn register(&self, f: impl FnOnce(&mut Registry)) {
+        f(&mut self.registry.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        prometheus_client::encoding::text::encode(&mut text, &registry)
+            .expect("writing to a String cannot fail");
+        text
+    }
+}
