@@ -1,1 +1,897 @@
 //! Reading an upstream's rate-limit headers (`X-RateLimit-*`, IETF `RateLimit`).
+//!
+//! Many upstreams announce their budget on every response. When a response says the
+//! budget is spent, tollgate pauses the group until the budget resets instead of
+//! sending one more request only to be told 429. [`pause_hint`] reads three families:
+//!
+//! ```text
+//! (a) X-RateLimit-Remaining: 0           RateLimit-Remaining: 0
+//!     X-RateLimit-Reset: 30              RateLimit-Reset: 1700000000
+//!
+//! (b) RateLimit: "default";r=0;t=30      (draft-ietf-httpapi-ratelimit-headers-08 and
+//!     RateLimit-Policy: "default";q=100;w=60                                   later)
+//!
+//! (c) RateLimit: limit=100, remaining=0, reset=30          (draft 07 and earlier)
+//! ```
+//!
+//! # Rules
+//!
+//! * Only a budget of exactly 0 pauses. Remaining above 0, or a remaining that does
+//!   not parse, gives `None`.
+//! * Remaining 0 without a usable reset also gives `None`: we do not know how long to
+//!   wait, and guessing is the caller's business (it will see the 429 and its
+//!   `Retry-After` soon enough).
+//! * Remaining 0 with a reset that has already passed (or is 0) gives
+//!   `Some(Duration::ZERO)`: the budget is spent but refills now.
+//! * When several families or policies are present, the longest pause wins; every
+//!   answer is capped at `max_pause`.
+//!
+//! # `*-Reset` in family (a): delta or epoch?
+//!
+//! Upstreams disagree: GitHub and GitLab send a Unix timestamp, most others (and the
+//! early IETF drafts) seconds from now. The value is read as a decimal number
+//! (`1*DIGIT ["." 1*DIGIT]`, since some APIs send fractions) and classified by size,
+//! without looking at any clock:
+//!
+//! * up to one year of seconds (31 536 000) it is **delta seconds**: no rate-limit
+//!   window is longer, and no timestamp is that small (it would be in 1970);
+//! * from 10^12 it is a Unix timestamp in **milliseconds**: as seconds it would lie
+//!   31 000 years ahead, as milliseconds it is any date after September 2001;
+//! * in between it is a Unix timestamp in **seconds**.
+//!
+//! A timestamp is measured against the response's own `Date` header when that parses,
+//! else against `now`, so a skew between the upstream's clock and ours does not
+//! stretch or shrink the pause. An HTTP-date in `*-Reset` is accepted and measured the
+//! same way. `X-RateLimit-Remaining` pairs only with `X-RateLimit-Reset`, and
+//! `RateLimit-Remaining` only with `RateLimit-Reset`. A header repeated on several
+//! lines counts by its first line.
+//!
+//! # The IETF `RateLimit` field
+//!
+//! The field is an RFC 8941 structured field and this module carries a small parser for
+//! the subset it needs: lists and dictionaries of items with parameters, where an item
+//! is an integer, decimal, string, token, byte sequence or boolean. Inner lists, or
+//! anything else that is not well formed, make the whole field count as absent.
+//! Several lines of one field are read as one list, as RFC 9110 §5.3 allows.
+//!
+//! * The current form (draft 08 on) is a list of policies: a name (string, or token
+//!   for lenience) with `r` = remaining quota units and `t` = seconds until the quota
+//!   resets. A policy with `r=0` pauses for `t`; when it has no `t`, the window `w` of
+//!   the `RateLimit-Policy` entry with the same name stands in, since the quota
+//!   refills within one window at the latest. Among several policies at 0, the longest
+//!   wait wins. A policy without `r` says nothing and is skipped; an `r` or `t` that
+//!   is not a non-negative integer makes the field malformed.
+//! * The older form (draft 07 and before) is a dictionary with `remaining` and
+//!   `reset` (delta seconds). It is recognised by having `key=value` members.
+//!
+//! `t`, `w` and `reset` are always delta seconds there, as the drafts define them.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::header::{HeaderMap, HeaderName, DATE};
+
+use crate::retry_after::{is_ows, until};
+
+const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+const X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+const REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+const RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+
+/// Seconds in a year: the largest `*-Reset` value read as delta seconds.
+const DELTA_MAX: u64 = 365 * 24 * 60 * 60;
+/// The smallest `*-Reset` value read as a Unix timestamp in milliseconds.
+const EPOCH_MILLIS_MIN: u64 = 1_000_000_000_000;
+
+/// How long to pause the group when these response headers say its budget is spent.
+///
+/// `now` is our wall clock when the response arrived; it only matters for a reset
+/// given as a timestamp when the response has no usable `Date` header. Returns `None`
+/// when no header family says "remaining 0", or none that does says when the budget
+/// resets; otherwise the longest announced wait, at most `max_pause`. The rules are in
+/// the module documentation.
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use http::HeaderMap;
+/// use tollgate::ratelimit_headers::pause_hint;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("ratelimit", r#""default";r=0;t=30"#.parse().unwrap());
+/// let max = Duration::from_secs(600);
+/// assert_eq!(
+///     pause_hint(&headers, SystemTime::now(), max),
+///     Some(Duration::from_secs(30))
+/// );
+/// ```
+pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> Option<Duration> {
+    let reference = headers
+        .get(DATE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| httpdate::parse_http_date(v).ok())
+        .unwrap_or(now);
+    [
+        legacy(headers, &X_REMAINING, &X_RESET, reference),
+        legacy(headers, &REMAINING, &RESET, reference),
+        structured(headers),
+    ]
+    .into_iter()
+    .flatten()
+    .max()
+    .map(|d| d.min(max_pause))
+}
+
+/// Family (a): a `*-Remaining` / `*-Reset` pair.
+fn legacy(
+    headers: &HeaderMap,
+    remaining: &HeaderName,
+    reset: &HeaderName,
+    reference: SystemTime,
+) -> Option<Duration> {
+    let remaining = headers.get(remaining)?.to_str().ok()?.trim_matches(is_ows);
+    if remaining.is_empty() || !remaining.bytes().all(|b| b == b'0') {
+        return None;
+    }
+    let reset = headers.get(reset)?.to_str().ok()?.trim_matches(is_ows);
+    legacy_reset(reset, reference)
+}
+
+/// A `*-Reset` value: delta seconds, Unix seconds, Unix milliseconds or HTTP-date.
+fn legacy_reset(value: &str, reference: SystemTime) -> Option<Duration> {
+    let Some((whole, frac)) = decimal(value) else {
+        let at = httpdate::parse_http_date(value).ok()?;
+        return Some(until(at, reference));
+    };
+    if whole <= DELTA_MAX {
+        return Some(Duration::new(whole, frac));
+    }
+    let since_epoch = if whole >= EPOCH_MILLIS_MIN {
+        Duration::from_millis(whole)
+    } else {
+        Duration::new(whole, frac)
+    };
+    // A timestamp past what SystemTime can hold is "very far in the future".
+    let at = UNIX_EPOCH.checked_add(since_epoch);
+    Some(at.map_or(Duration::MAX, |at| until(at, reference)))
+}
+
+/// `1*DIGIT ["." 1*DIGIT]` as whole units (saturating) and nanoseconds (truncated).
+fn decimal(s: &str) -> Option<(u64, u32)> {
+    let (whole, frac) = match s.split_once('.') {
+        Some((w, f)) => (w, Some(f)),
+        None => (s, None),
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(whole) || frac.is_some_and(|f| !digits(f)) {
+        return None;
+    }
+    let whole = whole.bytes().fold(0u64, |acc, b| {
+        acc.saturating_mul(10).saturating_add(u64::from(b - b'0'))
+    });
+    // Nine digits of fraction are nanoseconds; pad shorter ones, drop the rest.
+    let nanos = frac
+        .unwrap_or("")
+        .bytes()
+        .chain(std::iter::repeat(b'0'))
+        .take(9)
+        .fold(0u32, |acc, b| acc * 10 + u32::from(b - b'0'));
+    Some((whole, nanos))
+}
+
+/// Families (b) and (c): the IETF `RateLimit` field, either draft form.
+fn structured(headers: &HeaderMap) -> Option<Duration> {
+    let members = sf::parse(&joined(headers, &RATELIMIT)?)?;
+    if members.iter().any(|m| m.key.is_some() && m.item.is_some()) {
+        return dictionary_form(&members);
+    }
+    // Parsed only when needed, and only to fill in a missing `t`.
+    let policies = joined(headers, &RATELIMIT_POLICY).and_then(|p| sf::parse(&p));
+    let window = |name: &str| {
+        policies
+            .as_deref()?
+            .iter()
+            .find(|p| p.name() == Some(name))?
+            .param("w")
+            .and_then(sf::Bare::non_negative)
+    };
+    let mut longest = None;
+    for member in &members {
+        let Some(r) = member.param("r") else { continue };
+        let r = r.non_negative()?;
+        let t = match member.param("t") {
+            Some(t) => Some(t.non_negative()?),
+            None => member.name().and_then(window),
+        };
+        if r == 0 {
+            if let Some(t) = t {
+                longest = longest.max(Some(t));
+            }
+        }
+    }
+    longest.map(Duration::from_secs)
+}
+
+/// Draft 07 and before: `RateLimit: limit=100, remaining=0, reset=30`.
+fn dictionary_form(members: &[sf::Member]) -> Option<Duration> {
+    // A dictionary key that appears twice counts by its last value (RFC 8941 §4.2.2).
+    let value = |key: &str| {
+        members
+            .iter()
+            .rev()
+            .find(|m| {
+                m.key
+                    .as_deref()
+                    .is_some_and(|k| k.eq_ignore_ascii_case(key))
+            })?
+            .item
+            .as_ref()
+    };
+    if value("remaining")?.non_negative()? != 0 {
+        return None;
+    }
+    value("reset")?.non_negative().map(Duration::from_secs)
+}
+
+/// All lines of a field joined as one list, as RFC 9110 §5.3 allows for list fields.
+fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
+    let mut lines = headers.get_all(name).iter().peekable();
+    lines.peek()?;
+    let lines: Option<Vec<&str>> = lines.map(|v| v.to_str().ok()).collect();
+    Some(lines?.join(", "))
+}
+
+/// Just enough of RFC 8941 (structured fields) for `RateLimit` and `RateLimit-Policy`.
+mod sf {
+    /// A bare item; the values of decimals and byte sequences are not needed.
+    #[derive(Debug, Clone, PartialEq)]
+    pub(super) enum Bare {
+        Int(i64),
+        Decimal,
+        Str(String),
+        Token(String),
+        Bytes,
+        Bool(bool),
+    }
+
+    impl Bare {
+        /// The value of a non-negative integer; `None` for anything else.
+        pub(super) fn non_negative(&self) -> Option<u64> {
+            match *self {
+                Bare::Int(n) => u64::try_from(n).ok(),
+                _ => None,
+            }
+        }
+    }
+
+    /// One member of a list (`item;params`) or a dictionary (`key=item;params`, or
+    /// `key;params` for a true value, which reads the same as a token list item).
+    #[derive(Debug, Clone, PartialEq)]
+    pub(super) struct Member {
+        pub(super) key: Option<String>,
+        pub(super) item: Option<Bare>,
+        pub(super) params: Vec<(String, Bare)>,
+    }
+
+    impl Member {
+        /// The policy name: a string item, or a token for lenience.
+        pub(super) fn name(&self) -> Option<&str> {
+            match (&self.key, &self.item) {
+                (Some(k), None) => Some(k),
+                (None, Some(Bare::Str(s) | Bare::Token(s))) => Some(s),
+                _ => None,
+            }
+        }
+
+        /// A parameter's value; the last one wins when a key repeats (RFC 8941 §3.1.2).
+        pub(super) fn param(&self, key: &str) -> Option<&Bare> {
+            let mut params = self.params.iter().rev();
+            params
+                .find(|(k, _)| k.eq_ignore_ascii_case(key))
+                .map(|(_, v)| v)
+        }
+    }
+
+    /// Parse a list or dictionary; `None` if it is empty or not well formed.
+    pub(super) fn parse(input: &str) -> Option<Vec<Member>> {
+        let mut p = Parser {
+            s: input.as_bytes(),
+            i: 0,
+        };
+        let mut members = Vec::new();
+        p.skip_ows();
+        while !p.at_end() {
+            members.push(p.member()?);
+            p.skip_ows();
+            if p.at_end() {
+                break;
+            }
+            p.expect(b',')?;
+            p.skip_ows();
+            if p.at_end() {
+                return None; // a trailing comma
+            }
+        }
+        (!members.is_empty()).then_some(members)
+    }
+
+    struct Parser<'a> {
+        s: &'a [u8],
+        i: usize,
+    }
+
+    impl<'a> Parser<'a> {
+        fn at_end(&self) -> bool {
+            self.i >= self.s.len()
+        }
+
+        fn peek(&self) -> Option<u8> {
+            self.s.get(self.i).copied()
+        }
+
+        fn bump(&mut self) -> Option<u8> {
+            let c = self.peek()?;
+            self.i += 1;
+            Some(c)
+        }
+
+        fn expect(&mut self, c: u8) -> Option<()> {
+            (self.bump()? == c).then_some(())
+        }
+
+        /// Consume the bytes `f` accepts and return them; every caller accepts ASCII
+        /// only, so they always form a `str`.
+        fn skip_while(&mut self, f: impl Fn(u8) -> bool) -> &'a str {
+            let s: &'a [u8] = self.s;
+            let start = self.i;
+            while self.peek().is_some_and(&f) {
+                self.i += 1;
+            }
+            std::str::from_utf8(&s[start..self.i]).unwrap_or("")
+        }
+
+        fn skip_ows(&mut self) {
+            self.skip_while(|c| c == b' ' || c == b'\t');
+        }
+
+        fn member(&mut self) -> Option<Member> {
+            let (key, item) = if self.peek()?.is_ascii_alphabetic() || self.peek()? == b'*' {
+                // A dictionary key or a token list item: the same characters start both.
+                let name = self.skip_while(is_token_char).to_owned();
+                if self.peek() == Some(b'=') {
+                    self.i += 1;
+                    (Some(name), Some(self.bare()?))
+                } else {
+                    (Some(name), None)
+                }
+            } else {
+                (None, Some(self.bare()?))
+            };
+            let params = self.params()?;
+            Some(Member { key, item, params })
+        }
+
+        fn params(&mut self) -> Option<Vec<(String, Bare)>> {
+            let mut params = Vec::new();
+            loop {
+                // RFC 8941 allows no space before `;`; tolerate it, it is unambiguous.
+                let before = self.i;
+                self.skip_while(|c| c == b' ');
+                if self.peek() != Some(b';') {
+                    self.i = before;
+                    return Some(params);
+                }
+                self.i += 1;
+                self.skip_while(|c| c == b' ');
+                let first = self.peek()?;
+                if !(first.is_ascii_alphabetic() || first == b'*') {
+                    return None;
+                }
+                let key = self
+                    .skip_while(|c| c.is_ascii_alphanumeric() || b"_-.*".contains(&c))
+                    .to_owned();
+                let value = if self.peek() == Some(b'=') {
+                    self.i += 1;
+                    self.bare()?
+                } else {
+                    Bare::Bool(true)
+                };
+                params.push((key, value));
+            }
+        }
+
+        fn bare(&mut self) -> Option<Bare> {
+            match self.peek()? {
+                b'-' | b'0'..=b'9' => self.number(),
+                b'"' => self.string(),
+                b':' => {
+                    self.i += 1;
+                    self.skip_while(|c| c.is_ascii_alphanumeric() || b"+/=".contains(&c));
+                    self.expect(b':')?;
+                    Some(Bare::Bytes)
+                }
+                b'?' => {
+                    self.i += 1;
+                    match self.bump()? {
+                        b'0' => Some(Bare::Bool(false)),
+                        b'1' => Some(Bare::Bool(true)),
+                        _ => None,
+                    }
+                }
+                c if c.is_ascii_alphabetic() || c == b'*' => {
+                    Some(Bare::Token(self.skip_while(is_token_char).to_owned()))
+                }
+                _ => None,
+            }
+        }
+
+        /// RFC 8941 §4.2.4: at most 15 integer digits, or 12 + 1 to 3 for a decimal.
+        fn number(&mut self) -> Option<Bare> {
+            let negative = self.peek() == Some(b'-');
+            if negative {
+                self.i += 1;
+            }
+            let whole = self.skip_while(|c| c.is_ascii_digit());
+            if whole.is_empty() {
+                return None;
+            }
+            if self.peek() == Some(b'.') {
+                if whole.len() > 12 {
+                    return None;
+                }
+                self.i += 1;
+                let frac = self.skip_while(|c| c.is_ascii_digit());
+                return (1..=3).contains(&frac.len()).then_some(Bare::Decimal);
+            }
+            if whole.len() > 15 {
+                return None;
+            }
+            // At most 15 digits: always fits an i64.
+            let n: i64 = whole.parse().ok()?;
+            Some(Bare::Int(if negative { -n } else { n }))
+        }
+
+        fn string(&mut self) -> Option<Bare> {
+            self.expect(b'"')?;
+            let mut out = String::new();
+            loop {
+                match self.bump()? {
+                    b'"' => return Some(Bare::Str(out)),
+                    b'\\' => match self.bump()? {
+                        c @ (b'"' | b'\\') => out.push(char::from(c)),
+                        _ => return None,
+                    },
+                    c @ 0x20..=0x7e => out.push(char::from(c)),
+                    _ => return None,
+                }
+            }
+        }
+    }
+
+    /// `tchar / ":" / "/"` (RFC 8941 §3.3.4).
+    fn is_token_char(c: u8) -> bool {
+        c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/".contains(&c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    const MAX: Duration = Duration::from_secs(600);
+
+    /// 2023-11-14 22:13:20 UTC.
+    const EPOCH: u64 = 1_700_000_000;
+    const EPOCH_DATE: &str = "Tue, 14 Nov 2023 22:13:20 GMT";
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for &(name, value) in pairs {
+            map.append(name, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    fn hint(pairs: &[(&'static str, &str)]) -> Option<Duration> {
+        pause_hint(&headers(pairs), at(EPOCH), MAX)
+    }
+
+    fn secs(n: u64) -> Option<Duration> {
+        Some(Duration::from_secs(n))
+    }
+
+    #[test]
+    fn no_headers_no_pause() {
+        assert_eq!(hint(&[]), None);
+        assert_eq!(hint(&[("date", EPOCH_DATE), ("retry-after", "5")]), None);
+    }
+
+    #[test]
+    fn x_ratelimit_delta_seconds() {
+        let h = [("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "30")];
+        assert_eq!(hint(&h), secs(30));
+        let h = [
+            ("x-ratelimit-remaining", " 0 "),
+            ("x-ratelimit-reset", "\t45"),
+        ];
+        assert_eq!(hint(&h), secs(45));
+    }
+
+    #[test]
+    fn remaining_above_zero_does_not_pause() {
+        let h = [("x-ratelimit-remaining", "1"), ("x-ratelimit-reset", "30")];
+        assert_eq!(hint(&h), None);
+        let h = [("ratelimit-remaining", "10"), ("ratelimit-reset", "30")];
+        assert_eq!(hint(&h), None);
+    }
+
+    #[test]
+    fn remaining_zero_without_reset_is_for_the_caller() {
+        assert_eq!(hint(&[("x-ratelimit-remaining", "0")]), None);
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "later"),
+        ];
+        assert_eq!(hint(&h), None);
+        // The two spellings do not pair with each other.
+        let h = [("x-ratelimit-remaining", "0"), ("ratelimit-reset", "30")];
+        assert_eq!(hint(&h), None);
+    }
+
+    #[test]
+    fn remaining_zero_reset_zero_is_a_zero_pause() {
+        let h = [("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "0")];
+        assert_eq!(hint(&h), secs(0));
+        let h = [("ratelimit", "limit=10, remaining=0, reset=0")];
+        assert_eq!(hint(&h), secs(0));
+        assert_eq!(hint(&[("ratelimit", r#""p";r=0;t=0"#)]), secs(0));
+    }
+
+    #[test]
+    fn reset_as_epoch_seconds_reads_against_date_header() {
+        // GitHub style. Our clock is an hour fast; the upstream's Date header is the
+        // reference, so the pause is the 45 s the upstream meant.
+        let reset = (EPOCH + 45).to_string();
+        let h = headers(&[
+            ("date", EPOCH_DATE),
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ]);
+        assert_eq!(pause_hint(&h, at(EPOCH + 3600), MAX), secs(45));
+        assert_eq!(pause_hint(&h, at(EPOCH - 3600), MAX), secs(45));
+    }
+
+    #[test]
+    fn reset_as_epoch_seconds_without_date_reads_against_now() {
+        let reset = (EPOCH + 45).to_string();
+        let h = headers(&[
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ]);
+        assert_eq!(pause_hint(&h, at(EPOCH), MAX), secs(45));
+        assert_eq!(pause_hint(&h, at(EPOCH + 40), MAX), secs(5));
+        // An unparseable Date header is ignored too.
+        let h = headers(&[
+            ("date", "now"),
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ]);
+        assert_eq!(pause_hint(&h, at(EPOCH), MAX), secs(45));
+    }
+
+    #[test]
+    fn reset_as_epoch_in_the_past_is_zero() {
+        let reset = (EPOCH - 10).to_string();
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ];
+        assert_eq!(hint(&h), secs(0));
+    }
+
+    #[test]
+    fn reset_as_epoch_milliseconds() {
+        let reset = ((EPOCH + 20) * 1000 + 500).to_string();
+        let h = [
+            ("date", EPOCH_DATE),
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ];
+        assert_eq!(hint(&h), Some(Duration::from_millis(20_500)));
+    }
+
+    #[test]
+    fn large_epochs_are_capped_never_overflow() {
+        for reset in [
+            "99999999999",          // year 5138, seconds
+            "999999999999",         // year 33658, the largest read as seconds
+            "18446744073709551615", // u64::MAX, milliseconds
+            "99999999999999999999999999999999",
+        ] {
+            let h = [("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", reset)];
+            assert_eq!(hint(&h), Some(MAX), "{reset}");
+            let h = headers(&h);
+            assert!(
+                pause_hint(&h, at(EPOCH), Duration::MAX).is_some(),
+                "{reset}"
+            );
+        }
+    }
+
+    #[test]
+    fn one_year_is_the_delta_epoch_boundary() {
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "31536000"),
+        ];
+        let h = headers(&h);
+        assert_eq!(pause_hint(&h, at(EPOCH), Duration::MAX), secs(DELTA_MAX));
+        // One more and it is a timestamp in January 1971: long past.
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "31536001"),
+        ];
+        let h = headers(&h);
+        assert_eq!(pause_hint(&h, at(EPOCH), Duration::MAX), secs(0));
+    }
+
+    #[test]
+    fn fractional_reset() {
+        let h = [("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "1.5")];
+        assert_eq!(hint(&h), Some(Duration::from_millis(1500)));
+        let reset = format!("{}.25", EPOCH + 2);
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ];
+        assert_eq!(hint(&h), Some(Duration::from_millis(2250)));
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "0.1234567891234"),
+        ];
+        assert_eq!(hint(&h), Some(Duration::from_nanos(123_456_789)));
+    }
+
+    #[test]
+    fn reset_as_http_date() {
+        let h = [
+            ("date", EPOCH_DATE),
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "Tue, 14 Nov 2023 22:14:00 GMT"),
+        ];
+        assert_eq!(hint(&h), secs(40));
+    }
+
+    #[test]
+    fn unprefixed_spelling() {
+        // Early IETF drafts: delta seconds. GitLab: epoch seconds.
+        let h = [("ratelimit-remaining", "0"), ("ratelimit-reset", "12")];
+        assert_eq!(hint(&h), secs(12));
+        let reset = (EPOCH + 60).to_string();
+        let h = [("ratelimit-remaining", "0"), ("ratelimit-reset", &reset)];
+        assert_eq!(hint(&h), secs(60));
+    }
+
+    #[test]
+    fn everything_is_capped() {
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "3600"),
+        ];
+        assert_eq!(hint(&h), Some(MAX));
+        assert_eq!(hint(&[("ratelimit", r#""p";r=0;t=86400"#)]), Some(MAX));
+        let h = [("ratelimit", "limit=1, remaining=0, reset=86400")];
+        assert_eq!(hint(&h), Some(MAX));
+        let h = headers(&[("ratelimit", r#""p";r=0;t=5"#)]);
+        assert_eq!(pause_hint(&h, at(EPOCH), Duration::ZERO), secs(0));
+    }
+
+    #[test]
+    fn legacy_garbage() {
+        for (remaining, reset) in [
+            ("", "30"),
+            ("none", "30"),
+            ("-1", "30"),
+            ("0.0", "30"),
+            ("0, 0", "30"),
+            ("0", ""),
+            ("0", "-30"),
+            ("0", "30s"),
+            ("0", "1."),
+            ("0", ".5"),
+            ("0", "1.2.3"),
+            ("0", "1e3"),
+        ] {
+            let h = [
+                ("x-ratelimit-remaining", remaining),
+                ("x-ratelimit-reset", reset),
+            ];
+            assert_eq!(hint(&h), None, "{remaining:?} {reset:?}");
+        }
+        // Bytes that are not visible ASCII (obs-text) cannot be read at all.
+        let mut h = headers(&[("x-ratelimit-remaining", "0")]);
+        h.insert(
+            "x-ratelimit-reset",
+            HeaderValue::from_bytes(b"3\xff").unwrap(),
+        );
+        assert_eq!(pause_hint(&h, at(EPOCH), MAX), None);
+    }
+
+    #[test]
+    fn ietf_current_form() {
+        let h = [
+            ("ratelimit", r#""default";r=0;t=30"#),
+            ("ratelimit-policy", r#""default";q=100;w=60"#),
+        ];
+        assert_eq!(hint(&h), secs(30));
+        let h = [
+            ("ratelimit", r#""default";r=50;t=30"#),
+            ("ratelimit-policy", r#""default";q=100;w=60"#),
+        ];
+        assert_eq!(hint(&h), None);
+        // Spaces where RFC 8941 allows them, and where it does not but no harm is done.
+        assert_eq!(
+            hint(&[("ratelimit", r#"  "default"; r=0; t=30  "#)]),
+            secs(30)
+        );
+        assert_eq!(hint(&[("ratelimit", r#""default" ;r=0 ;t=30"#)]), secs(30));
+        // A token name instead of a string, and other parameters, are fine.
+        let h = [(
+            "ratelimit",
+            r#"default;r=0;t=7;pk=:cHsdsRa894==:;x="y";z=?1"#,
+        )];
+        assert_eq!(hint(&h), secs(7));
+    }
+
+    #[test]
+    fn ietf_multiple_policies() {
+        let both = r#""burst";r=0;t=10, "daily";r=0;t=100"#;
+        assert_eq!(hint(&[("ratelimit", both)]), secs(100));
+        // Only spent policies count, however long the others' resets are.
+        let one = r#""burst";r=0;t=10, "daily";r=500;t=50000"#;
+        assert_eq!(hint(&[("ratelimit", one)]), secs(10));
+        let none = r#""burst";r=3;t=10, "daily";r=500;t=50000"#;
+        assert_eq!(hint(&[("ratelimit", none)]), None);
+        // Several field lines are one list.
+        let h = [
+            ("ratelimit", r#""burst";r=0;t=10"#),
+            ("ratelimit", r#""daily";r=0;t=20"#),
+        ];
+        assert_eq!(hint(&h), secs(20));
+        // A member without `r` says nothing.
+        let h = [("ratelimit", r#""other";q=5, "burst";r=0;t=10"#)];
+        assert_eq!(hint(&h), secs(10));
+    }
+
+    #[test]
+    fn ietf_missing_t_uses_the_policy_window() {
+        let policy = r#""burst";q=10;w=1, "daily";q=1000;w=86400"#;
+        let h = [
+            ("ratelimit", r#""burst";r=0"#),
+            ("ratelimit-policy", policy),
+        ];
+        assert_eq!(hint(&h), secs(1));
+        let h = [
+            ("ratelimit", r#""daily";r=0"#),
+            ("ratelimit-policy", policy),
+        ];
+        assert_eq!(hint(&h), Some(MAX));
+        // No policy of that name, no policy field, or a malformed one: no reset known.
+        let h = [
+            ("ratelimit", r#""hourly";r=0"#),
+            ("ratelimit-policy", policy),
+        ];
+        assert_eq!(hint(&h), None);
+        assert_eq!(hint(&[("ratelimit", r#""burst";r=0"#)]), None);
+        let h = [
+            ("ratelimit", r#""burst";r=0"#),
+            ("ratelimit-policy", "\"burst"),
+        ];
+        assert_eq!(hint(&h), None);
+    }
+
+    #[test]
+    fn ietf_names_may_hold_separators() {
+        let h = [
+            ("ratelimit", r#""a, b;c \"d\" \\";r=0"#),
+            ("ratelimit-policy", r#""x", "a, b;c \"d\" \\";q=5;w=9"#),
+        ];
+        assert_eq!(hint(&h), secs(9));
+    }
+
+    #[test]
+    fn ietf_older_dictionary_form() {
+        let h = [("ratelimit", "limit=100, remaining=0, reset=30")];
+        assert_eq!(hint(&h), secs(30));
+        let h = [("ratelimit", "limit=100;w=60, remaining=0, reset=30")];
+        assert_eq!(hint(&h), secs(30));
+        let h = [("ratelimit", "limit=100, remaining=1, reset=30")];
+        assert_eq!(hint(&h), None);
+        let h = [("ratelimit", "limit=100, remaining=0")];
+        assert_eq!(hint(&h), None);
+        // The last of a repeated key counts.
+        let h = [("ratelimit", "remaining=5, reset=30, remaining=0")];
+        assert_eq!(hint(&h), secs(30));
+    }
+
+    #[test]
+    fn ietf_malformed() {
+        for value in [
+            "",
+            " ",
+            ",",
+            r#""default";r=0;t=30,"#,
+            r#""default";r=0;t=-5"#,
+            r#""default";r=-1;t=5"#,
+            r#""default";r=0;t=1.5"#,
+            r#""default";r=0.0;t=5"#,
+            r#""default";r=0;t="5""#,
+            r#""default";r=0;t="#,
+            r#""default";r=0;t=1234567890123456"#,
+            r#""default";r=0;=5"#,
+            r#""default;r=0;t=5"#,
+            r#""default";r=0;t=5 "x""#,
+            r#""bad\escape";r=0;t=5"#,
+            "(\"a\" \"b\");r=0;t=5",
+            r#""default";r=0;t=5;pk=:abc"#,
+            r#""default";r=0;t=5;flag=?2"#,
+            "remaining=0, reset=-3",
+            "remaining=0, reset=3.0",
+            "remaining=0 reset=3",
+            "\u{7f}",
+        ] {
+            let mut h = HeaderMap::new();
+            let Ok(v) = HeaderValue::from_str(value) else {
+                continue;
+            };
+            h.insert(RATELIMIT, v);
+            assert_eq!(pause_hint(&h, at(EPOCH), MAX), None, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn longest_family_wins() {
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "10"),
+            ("ratelimit-remaining", "0"),
+            ("ratelimit-reset", "5"),
+            ("ratelimit", r#""p";r=0;t=20"#),
+        ];
+        assert_eq!(hint(&h), secs(20));
+        // A malformed family does not hide a good one.
+        let h = [
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "10"),
+            ("ratelimit", r#""p";r=0;t=-1"#),
+        ];
+        assert_eq!(hint(&h), secs(10));
+    }
+
+    #[test]
+    fn every_prefix_of_valid_fields_is_safe() {
+        // A poor man's fuzz run inside the unit tests: truncation is the most common
+        // way a real header goes wrong.
+        for full in [
+            r#""burst";r=0;t=10;pk=:cHsdsRa894==:, "daily";r=0;t=100;x=?1;y=1.5;z=tok/en"#,
+            "limit=100;w=60, remaining=0, reset=30",
+        ] {
+            for end in 0..=full.len() {
+                let h = headers(&[
+                    ("ratelimit", &full[..end]),
+                    ("ratelimit-policy", &full[..end]),
+                    ("x-ratelimit-remaining", "0"),
+                    ("x-ratelimit-reset", &full[..end]),
+                ]);
+                if let Some(d) = pause_hint(&h, at(EPOCH), MAX) {
+                    assert!(d <= MAX);
+                }
+            }
+        }
+    }
+}
