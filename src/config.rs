@@ -112,6 +112,18 @@ pub struct GroupSettings {
     /// Request bodies up to this size are read before queueing, so a client that
     /// leaves while queued is noticed (and the request can be replayed).
     pub max_replay_body: u64,
+    /// Upstream statuses that mean "slow down": they pause the group, and the request
+    /// is retried. A 503 without `Retry-After` is passed through (a real outage).
+    pub retry_statuses: Vec<u16>,
+    /// How many times one request is retried after push-back before the client gets
+    /// the upstream's answer.
+    pub max_retries: u32,
+    /// The longest pause an upstream can impose (and the cap of the fallback backoff).
+    pub max_pause: Duration,
+    /// Halve the effective rate on each push-back and climb back when calm.
+    pub adaptive: bool,
+    /// The floor of the adaptive rate.
+    pub min_rate: Option<Rate>,
 }
 
 impl Default for GroupSettings {
@@ -124,6 +136,11 @@ impl Default for GroupSettings {
             max_wait: Duration::from_secs(60),
             costs: Vec::new(),
             max_replay_body: 1 << 20,
+            retry_statuses: vec![429, 503],
+            max_retries: 3,
+            max_pause: Duration::from_secs(600),
+            adaptive: false,
+            min_rate: None,
         }
     }
 }
@@ -287,6 +304,29 @@ fn method<'de, D: Deserializer<'de>>(d: D) -> Result<Option<http::Method>, D::Er
     http::Method::from_bytes(text.to_ascii_uppercase().as_bytes())
         .map(Some)
         .map_err(|_| de::Error::custom(format!("invalid method {text:?}")))
+}
+
+/// An HTTP status code (100-599).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusCode(pub u16);
+
+impl<'de> Deserialize<'de> for StatusCode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let code = u16::deserialize(d)?;
+        if (100..=599).contains(&code) {
+            Ok(StatusCode(code))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid status {code}: expected 100-599"
+            )))
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Rate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(de::Error::custom)
+    }
 }
 
 /// A byte size: a number of bytes, or a string like `"512KiB"`, `"1MiB"`, `"10MB"`.
@@ -535,15 +575,18 @@ struct RawConfig {
     #[serde(default)]
     defaults: RawSettings,
     #[serde(default)]
-    limit: Vec<Spanned<RawLimit>>,
+    limit: Vec<Spanned<RawSettings>>,
     #[serde(default)]
     admin: Option<AdminConfig>,
 }
 
-/// Group settings as written: every key optional, so `[[limit]]` inherits `[defaults]`.
+/// A `[defaults]` or `[[limit]]` table as written: every key optional, so a `[[limit]]`
+/// inherits what it does not set. `name` and `hosts` only belong in a `[[limit]]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSettings {
+    name: Option<Spanned<String>>,
+    hosts: Option<Spanned<Vec<HostPattern>>>,
     rate: Option<Rates>,
     burst: Option<Spanned<u32>>,
     concurrency: Option<Spanned<usize>>,
@@ -552,38 +595,11 @@ struct RawSettings {
     #[serde(default)]
     costs: Vec<Spanned<CostRule>>,
     max_replay_body: Option<ByteSize>,
-}
-
-/// A `[[limit]]` as written. The settings keys are those of [`RawSettings`], listed
-/// again because `#[serde(flatten)]` would lose both unknown-key errors and spans.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawLimit {
-    name: String,
-    hosts: Vec<HostPattern>,
-    rate: Option<Rates>,
-    burst: Option<Spanned<u32>>,
-    concurrency: Option<Spanned<usize>>,
-    queue: Option<Spanned<usize>>,
-    max_wait: Option<Dur>,
-    #[serde(default)]
-    costs: Vec<Spanned<CostRule>>,
-    max_replay_body: Option<ByteSize>,
-}
-
-impl RawLimit {
-    fn settings(self) -> (String, Vec<HostPattern>, RawSettings) {
-        let settings = RawSettings {
-            rate: self.rate,
-            burst: self.burst,
-            concurrency: self.concurrency,
-            queue: self.queue,
-            max_wait: self.max_wait,
-            costs: self.costs,
-            max_replay_body: self.max_replay_body,
-        };
-        (self.name, self.hosts, settings)
-    }
+    retry_statuses: Option<Vec<StatusCode>>,
+    max_retries: Option<u32>,
+    max_pause: Option<Dur>,
+    adaptive: Option<Spanned<bool>>,
+    min_rate: Option<Spanned<Rate>>,
 }
 
 type Located = (Range<usize>, String);
@@ -609,6 +625,20 @@ impl RawSettings {
                 return Err((rule.span(), "cost must be at least 1".into()));
             }
         }
+        let rates_set = self
+            .rate
+            .as_ref()
+            .map_or(!base.rates.is_empty(), |r| !r.0.is_empty());
+        let adaptive = match &self.adaptive {
+            Some(a) if *a.get_ref() && !rates_set => {
+                return Err((
+                    a.span(),
+                    "adaptive = true needs a rate to start from".into(),
+                ));
+            }
+            Some(a) => *a.get_ref(),
+            None => base.adaptive,
+        };
         Ok(GroupSettings {
             rates: self.rate.map_or_else(|| base.rates.clone(), |r| r.0),
             burst: at_least_one(self.burst, "burst", base.burst)?,
@@ -621,19 +651,49 @@ impl RawSettings {
                 self.costs.into_iter().map(Spanned::into_inner).collect()
             },
             max_replay_body: self.max_replay_body.map_or(base.max_replay_body, |b| b.0),
+            retry_statuses: self.retry_statuses.map_or_else(
+                || base.retry_statuses.clone(),
+                |s| s.into_iter().map(|c| c.0).collect(),
+            ),
+            max_retries: self.max_retries.unwrap_or(base.max_retries),
+            max_pause: self.max_pause.map_or(base.max_pause, |d| d.0),
+            adaptive,
+            min_rate: self.min_rate.map(Spanned::into_inner).or(base.min_rate),
         })
     }
 }
 
 impl RawConfig {
     fn check(self) -> Result<Config, Located> {
+        if let Some(span) = self
+            .defaults
+            .name
+            .as_ref()
+            .map(Spanned::span)
+            .or_else(|| self.defaults.hosts.as_ref().map(Spanned::span))
+        {
+            return Err((
+                span,
+                "name and hosts belong in a [[limit]], not in [defaults]".into(),
+            ));
+        }
         let defaults = self.defaults.resolve(&GroupSettings::default())?;
 
         let mut limits: Vec<LimitGroup> = Vec::new();
         let mut hosts = HashSet::new();
         for limit in self.limit {
             let span = limit.span();
-            let (name, group_hosts, settings) = limit.into_inner().settings();
+            let mut settings = limit.into_inner();
+            let name = settings
+                .name
+                .take()
+                .map(Spanned::into_inner)
+                .unwrap_or_default();
+            let group_hosts = settings
+                .hosts
+                .take()
+                .map(Spanned::into_inner)
+                .unwrap_or_default();
             if name.trim().is_empty() {
                 return Err((span, "a [[limit]] needs a name".into()));
             }

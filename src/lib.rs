@@ -9,6 +9,9 @@
 //!   drains them on shutdown;
 //! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
 //! * [`proxy`] — builds the tower stack; the one place where layer order is visible;
+//! * [`pushback`] — reads the upstream's answer: 429/`Retry-After` and rate-limit
+//!   headers ([`retry_after`], [`ratelimit_headers`]) pause the group; refused requests
+//!   are replayed;
 //! * [`limit`] — groups, GCRA rates, the FIFO queue and concurrency permits, as a tower
 //!   layer ([`limit::layer`]);
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
@@ -30,6 +33,7 @@ pub mod error;
 pub mod limit;
 pub mod metrics;
 pub mod proxy;
+pub mod pushback;
 pub mod ratelimit_headers;
 pub mod retry_after;
 pub mod server;

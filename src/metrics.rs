@@ -39,6 +39,10 @@ pub struct Metrics {
     in_flight: Family<GroupLabel, Gauge>,
     requests: Family<OutcomeLabels, Counter>,
     queue_wait: HistogramFamily,
+    pauses: Family<GroupLabel, Counter>,
+    pause_seconds: HistogramFamily,
+    retries: Family<GroupLabel, Counter>,
+    passed_through: Family<GroupLabel, Counter>,
 }
 
 /// One group's metric handles (clones share the underlying atomics).
@@ -58,6 +62,14 @@ pub struct GroupMetrics {
     pub cancelled: Counter,
     /// Time from arrival to departure, in seconds.
     pub queue_wait: Histogram,
+    /// Pauses imposed by the upstream (429/503 + Retry-After, rate-limit headers).
+    pub pauses: Counter,
+    /// Their lengths, in seconds.
+    pub pause_seconds: Histogram,
+    /// Requests sent again after a push-back.
+    pub retries: Counter,
+    /// Push-back responses handed to the client (not replayable, or out of retries).
+    pub passed_through: Counter,
 }
 
 impl Default for Metrics {
@@ -96,12 +108,42 @@ impl Metrics {
             "Time requests spent queued before leaving for the upstream",
             queue_wait.clone(),
         );
+        let pauses = Family::<GroupLabel, Counter>::default();
+        // 10 ms to ~11 min: from a short Retry-After to the default max_pause.
+        let pause_seconds: HistogramFamily =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.01, 2.0, 17)));
+        let retries = Family::<GroupLabel, Counter>::default();
+        let passed_through = Family::<GroupLabel, Counter>::default();
+        registry.register(
+            "tollgate_upstream_pauses",
+            "Pauses of the group imposed by the upstream (429/503, rate-limit headers)",
+            pauses.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_pause_seconds",
+            "Length of the pauses imposed by the upstream",
+            pause_seconds.clone(),
+        );
+        registry.register(
+            "tollgate_retries",
+            "Requests sent again after the upstream pushed back",
+            retries.clone(),
+        );
+        registry.register(
+            "tollgate_pushback_passed_through",
+            "Push-back responses (429/503) handed to the client unchanged",
+            passed_through.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
             queue_depth,
             in_flight,
             requests,
             queue_wait,
+            pauses,
+            pause_seconds,
+            retries,
+            passed_through,
         }
     }
 
@@ -126,6 +168,10 @@ impl Metrics {
             max_wait: outcome(OUTCOMES[2]),
             cancelled: outcome(OUTCOMES[3]),
             queue_wait: self.queue_wait.get_or_create(&label).clone(),
+            pauses: self.pauses.get_or_create(&label).clone(),
+            pause_seconds: self.pause_seconds.get_or_create(&label).clone(),
+            retries: self.retries.get_or_create(&label).clone(),
+            passed_through: self.passed_through.get_or_create(&label).clone(),
         }
     }
 
@@ -137,6 +183,10 @@ impl Metrics {
         self.queue_depth.remove(&label);
         self.in_flight.remove(&label);
         self.queue_wait.remove(&label);
+        self.pauses.remove(&label);
+        self.pause_seconds.remove(&label);
+        self.retries.remove(&label);
+        self.passed_through.remove(&label);
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {
                 group: name.to_string(),

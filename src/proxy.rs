@@ -1,11 +1,15 @@
 //! The service stack a request passes through — the one place where layer order shows.
 //!
 //! ```text
-//! Proxy::handle: classify → pick the group → read a small body
-//!   └─► Throttle (limit::layer): wait in the group's queue, take a concurrency permit
-//!        └─► Dispatch ─┬─► tunnel::open   (CONNECT: the permit lives as long as the tunnel)
-//!                      └─► Upstream::send (the permit lives until the response body ends)
+//! Proxy::handle: classify → pick the group
+//!   └─► Pushback (pushback.rs): read a small body; on 429 pause the group and replay
+//!        └─► Throttle (limit::layer): wait in the group's queue, take a concurrency permit
+//!             └─► Dispatch ─┬─► tunnel::open   (CONNECT: permit held while the tunnel is open)
+//!                           └─► Upstream::send (permit held until the response body ends)
 //! ```
+//!
+//! Push-back sits outside the throttle so that a replayed request queues again, at the
+//! head of its group, behind the pause it caused.
 //!
 //! [`Proxy::handle`] is the outermost service and never fails: a [`ProxyError`] from any
 //! step becomes a response there.
@@ -23,13 +27,14 @@ use tokio_util::task::TaskTracker;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceBuilder};
 
-use crate::body::{self, Body, Buffered};
+use crate::body::{self, Body};
 use crate::classify::{Classifier, Target};
 use crate::config::{Config, ConfigError};
 use crate::error::ProxyError;
 use crate::limit::layer::{Arrival, ThrottleLayer, TunnelPermit};
 use crate::limit::Limits;
 use crate::metrics::Metrics;
+use crate::pushback::PushbackLayer;
 use crate::tunnel;
 use crate::upstream::{Dialer, Upstream};
 
@@ -65,7 +70,10 @@ impl Proxy {
             dialer,
             tunnels: tunnels.clone(),
         };
-        let stack = ServiceBuilder::new().layer(ThrottleLayer).service(dispatch);
+        let stack = ServiceBuilder::new()
+            .layer(PushbackLayer)
+            .layer(ThrottleLayer)
+            .service(dispatch);
         Ok(Proxy {
             classifier: Classifier::new(config),
             limits,
@@ -85,22 +93,6 @@ impl Proxy {
         };
         let group = self.limits.group_for(&target.host, target.limit.as_deref());
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
-
-        // hyper only notices that a client went away once its request body has been
-        // read; reading small bodies now means a client that leaves while queued is
-        // noticed, and its request never sent.
-        if req.method() != Method::CONNECT && !http_body::Body::is_end_stream(req.body()) {
-            let (parts, body) = req.into_parts();
-            let body = match body::read_up_to(body, group.settings.max_replay_body).await {
-                Ok(Buffered::Complete(bytes)) => body::full(bytes),
-                Ok(Buffered::Streaming(body)) => body,
-                Err(e) => {
-                    return ProxyError::BadRequest(format!("reading the request body failed: {e}"))
-                        .into_response()
-                }
-            };
-            req = Request::from_parts(parts, body);
-        }
 
         let extensions = req.extensions_mut();
         extensions.insert(target);

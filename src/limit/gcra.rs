@@ -38,6 +38,16 @@ impl Gcra {
         }
     }
 
+    /// This rate slowed down by `factor` (0 < factor ≤ 1), same burst.
+    pub fn scaled(&self, factor: f64) -> Gcra {
+        let burst_cells = self.tolerance.as_secs_f64() / self.interval.as_secs_f64();
+        let interval = self.interval.div_f64(factor.clamp(1e-6, 1.0));
+        Gcra {
+            interval,
+            tolerance: interval.mul_f64(burst_cells),
+        }
+    }
+
     /// The earliest time a request may leave, given the `tat` and `now`.
     pub fn earliest(&self, tat: Duration, now: Duration) -> Duration {
         now.max(tat.saturating_sub(self.tolerance))

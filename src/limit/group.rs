@@ -11,6 +11,7 @@
 //! so a request that is cancelled while waiting never uses up a slot.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -44,8 +45,12 @@ pub struct Group {
     pub name: Arc<str>,
     /// The settings it was built from.
     pub settings: GroupSettings,
-    /// The rates in GCRA form (empty: no rate limit).
-    rates: Vec<Gcra>,
+    /// The configured rates in GCRA form (empty: no rate limit).
+    configured: Vec<Gcra>,
+    /// The adaptive rate never goes below this fraction of the configured one.
+    min_factor: f64,
+    /// Push-backs since the upstream last answered normally (for the fallback backoff).
+    pushbacks_in_row: AtomicU32,
     /// Concurrency permits; tokio's semaphore is FIFO, and only the turn holder asks.
     permits: Arc<Semaphore>,
     /// Origin of the `Duration` times in the rate state.
@@ -57,8 +62,14 @@ pub struct Group {
 
 /// What changes as requests come and go.
 struct State {
+    /// The rates in force: the configured ones, or slower in adaptive mode.
+    rates: Vec<Gcra>,
     /// One TAT per rate, as an offset from `epoch`.
     tats: Vec<Duration>,
+    /// Adaptive mode: the effective rate as a fraction of the configured one.
+    factor: f64,
+    /// Adaptive mode: when the factor last changed.
+    factor_changed: Instant,
     /// Requests waiting for the turn, in order; a smaller key goes first.
     waiting: BTreeMap<i64, oneshot::Sender<()>>,
     /// Key for the next request at the back / front of the queue.
@@ -85,7 +96,18 @@ pub struct GroupStatus {
     pub in_flight: usize,
     /// Seconds until the upstream's pause ends, if paused.
     pub paused_for_seconds: Option<f64>,
+    /// The rates in force, in requests per second (slower than configured while an
+    /// adaptive group is backing off); empty when the group has no rate.
+    pub effective_rates_per_second: Vec<f64>,
 }
+
+/// Adaptive mode: after each calm interval of this length the rate climbs by
+/// [`ADAPTIVE_STEP`] of the configured rate (additive increase, multiplicative decrease).
+const ADAPTIVE_CALM: Duration = Duration::from_secs(1);
+/// Adaptive mode: the climb per calm interval, as a fraction of the configured rate.
+const ADAPTIVE_STEP: f64 = 0.05;
+/// Adaptive mode without `min_rate`: the floor as a fraction of the configured rate.
+const ADAPTIVE_FLOOR: f64 = 0.05;
 
 impl Group {
     /// A new, idle group.
@@ -95,11 +117,22 @@ impl Group {
             .iter()
             .map(|r| Gcra::new(r.limit, r.period, settings.burst))
             .collect();
+        let per_second = |r: &crate::config::Rate| r.limit as f64 / r.period.as_secs_f64();
+        let min_factor = match (settings.min_rate, settings.rates.first()) {
+            (Some(min), Some(rate)) => (per_second(&min) / per_second(rate)).clamp(1e-6, 1.0),
+            _ => ADAPTIVE_FLOOR,
+        };
+        let now = Instant::now();
         Group {
             name,
             permits: Arc::new(Semaphore::new(settings.concurrency)),
-            epoch: Instant::now(),
+            epoch: now,
+            min_factor,
+            pushbacks_in_row: AtomicU32::new(0),
             state: Mutex::new(State {
+                rates: rates.clone(),
+                factor: 1.0,
+                factor_changed: now,
                 tats: vec![Duration::ZERO; rates.len()],
                 waiting: BTreeMap::new(),
                 next_back: 0,
@@ -109,7 +142,7 @@ impl Group {
                 queued_cost: 0,
                 paused_until: None,
             }),
-            rates,
+            configured: rates,
             settings,
             metrics,
         }
@@ -158,6 +191,36 @@ impl Group {
         state.paused_until = Some(state.paused_until.map_or(until, |p| p.max(until)));
     }
 
+    /// The upstream pushed back: pause the group for `pause`, and in adaptive mode
+    /// halve the effective rate (not below the floor).
+    pub fn push_back(&self, pause: Duration) {
+        self.pushbacks_in_row.fetch_add(1, Ordering::Relaxed);
+        self.pause_until(Instant::now() + pause);
+        if self.settings.adaptive {
+            let mut state = self.lock();
+            let factor = (state.factor / 2.0).max(self.min_factor);
+            self.set_factor(&mut state, factor);
+        }
+    }
+
+    /// The upstream answered normally: the fallback backoff starts over.
+    pub fn calm(&self) {
+        if self.pushbacks_in_row.load(Ordering::Relaxed) != 0 {
+            self.pushbacks_in_row.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Push-backs since the last normal answer (0 for the first).
+    pub fn pushbacks_in_row(&self) -> u32 {
+        self.pushbacks_in_row.load(Ordering::Relaxed)
+    }
+
+    fn set_factor(&self, state: &mut State, factor: f64) {
+        state.factor = factor;
+        state.factor_changed = Instant::now();
+        state.rates = self.configured.iter().map(|r| r.scaled(factor)).collect();
+    }
+
     /// When the current pause ends, if the group is paused.
     pub fn paused_until(&self) -> Option<Instant> {
         self.lock().paused_until.filter(|p| *p > Instant::now())
@@ -175,6 +238,11 @@ impl Group {
                 .paused_until
                 .filter(|p| *p > now)
                 .map(|p| (p - now).as_secs_f64()),
+            effective_rates_per_second: state
+                .rates
+                .iter()
+                .map(|r| 1.0 / r.interval.as_secs_f64())
+                .collect(),
         }
     }
 
@@ -243,7 +311,7 @@ impl Group {
             let wait_until = {
                 let state = self.lock();
                 let since_epoch = now - self.epoch;
-                let depart = gcra::earliest_all(&self.rates, &state.tats, since_epoch);
+                let depart = gcra::earliest_all(&state.rates, &state.tats, since_epoch);
                 let paced = self.epoch + depart;
                 match state.paused_until {
                     Some(pause) if pause > paced => pause,
@@ -262,8 +330,13 @@ impl Group {
                 continue;
             };
             let mut state = self.lock();
-            let since_epoch = Instant::now() - self.epoch;
-            gcra::advance_all(&self.rates, &mut state.tats, since_epoch, cost);
+            let now = Instant::now();
+            if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
+                let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
+                self.set_factor(&mut state, factor);
+            }
+            let state = &mut *state;
+            gcra::advance_all(&state.rates, &mut state.tats, now - self.epoch, cost);
             return Permit::new(held, self.clone());
         }
     }
@@ -285,7 +358,7 @@ impl Group {
         let now = Instant::now();
         let since_epoch = now - self.epoch;
         let ahead = u32::try_from(state.queued_cost).unwrap_or(u32::MAX);
-        let paced = self
+        let paced = state
             .rates
             .iter()
             .zip(&state.tats)

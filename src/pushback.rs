@@ -1,0 +1,401 @@
+//! Upstream push-back: a 429 (or 503 with `Retry-After`) pauses the whole group, and
+//! the refused request is sent again for the client.
+//!
+//! The layer sits *outside* the throttle, so a retry goes through the throttle again:
+//! back to the head of its group's queue (the [`Retrying`] mark), behind the pause, and
+//! within the `max_wait` counted from the client's first arrival.
+//!
+//! ```text
+//! Pushback ─► Throttle ─► Dispatch ─► upstream
+//!    ▲                                   │ 429 + Retry-After: 30
+//!    └── pause the group 30 s, replay ◄──┘
+//! ```
+//!
+//! A request can be replayed when its body was read whole (no body, or one of at most
+//! `max_replay_body` bytes); a bigger body streams through once, and its 429 goes to the
+//! client unchanged. So does the 429 of a request out of retries or out of time: apps
+//! that handle 429 themselves still can.
+//!
+//! Responses that are not push-back are read too: `X-RateLimit-Remaining: 0` or
+//! `RateLimit: ...;r=0` pause the group until the reset, before the upstream has to
+//! refuse anything.
+
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{header, HeaderMap, Method, Request, Response};
+use tokio::time::Instant;
+use tower::{Layer, Service};
+
+use crate::body::{self, Body, Buffered};
+use crate::config::GroupSettings;
+use crate::error::ProxyError;
+use crate::limit::layer::{Arrival, Retrying};
+use crate::limit::Group;
+use crate::ratelimit_headers::pause_hint;
+use crate::retry_after::{backoff, retry_after};
+
+/// What a response means for its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing to do.
+    Pass,
+    /// The budget is spent (rate-limit headers): pause, but this response is fine.
+    Pause(Duration),
+    /// The upstream refused the request: pause, and retry it if possible.
+    PushBack(Duration),
+}
+
+/// Judges an upstream response. Pure: the time and the jitter come in as arguments.
+///
+/// `now` is our wall clock at the response; `pushbacks_in_row` counts the group's
+/// push-backs since its last normal answer, for the fallback backoff; `jitter` is in
+/// `[0, 1)`.
+pub fn judge(
+    status: u16,
+    headers: &HeaderMap,
+    settings: &GroupSettings,
+    now: SystemTime,
+    pushbacks_in_row: u32,
+    jitter: f64,
+) -> Verdict {
+    let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
+    let max = settings.max_pause;
+    // Epoch resets are read against the upstream's own clock when it says what it is.
+    let upstream_now = text(header::DATE)
+        .and_then(|d| httpdate::parse_http_date(d).ok())
+        .unwrap_or(now);
+    let hint = pause_hint(headers, upstream_now, max);
+    if settings.retry_statuses.contains(&status) {
+        let fallback = || backoff(pushbacks_in_row, max, jitter);
+        match text(header::RETRY_AFTER) {
+            Some(value) => {
+                let pause = retry_after(value, text(header::DATE), now, max);
+                return Verdict::PushBack(pause.unwrap_or_else(fallback));
+            }
+            // A 503 that does not say when to come back is an outage, not a limit.
+            None if status == 503 => {}
+            None => return Verdict::PushBack(hint.unwrap_or_else(fallback)),
+        }
+    }
+    match hint {
+        Some(pause) if !pause.is_zero() => Verdict::Pause(pause),
+        _ => Verdict::Pass,
+    }
+}
+
+/// Adds push-back handling in front of the throttle.
+#[derive(Debug, Clone, Default)]
+pub struct PushbackLayer;
+
+impl<S> Layer<S> for PushbackLayer {
+    type Service = Pushback<S>;
+
+    fn layer(&self, inner: S) -> Pushback<S> {
+        Pushback { inner }
+    }
+}
+
+/// The push-back service (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct Pushback<S> {
+    inner: S,
+}
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
+
+impl<S> Service<Request<Body>> for Pushback<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        let mut inner = self.inner.clone();
+        if req.method() == Method::CONNECT {
+            // A tunnel has no HTTP answer to read.
+            return Box::pin(inner.call(req));
+        }
+        Box::pin(async move {
+            let group = req
+                .extensions()
+                .get::<Arc<Group>>()
+                .cloned()
+                .expect("the proxy puts the group in the extensions");
+            let arrived = req
+                .extensions()
+                .get::<Arrival>()
+                .map_or_else(Instant::now, |a| a.0);
+            let (parts, body) = req.into_parts();
+            let request = Replayable::read(parts, body, group.settings.max_replay_body).await?;
+            send(&mut inner, request, &group, arrived).await
+        })
+    }
+}
+
+/// A request that may have to be sent more than once.
+enum Replayable {
+    /// The body is in memory: the request can be rebuilt for every attempt.
+    Buffered(http::request::Parts, Bytes),
+    /// The body streams: one attempt only (taken by the first).
+    Once(Option<Request<Body>>),
+}
+
+impl Replayable {
+    /// Reads the body if it fits `limit`. Reading it before queueing also lets hyper
+    /// notice a client that leaves while its request waits (it only looks once the
+    /// request body has been read), so the request is never sent.
+    async fn read(
+        parts: http::request::Parts,
+        body: Body,
+        limit: u64,
+    ) -> Result<Replayable, ProxyError> {
+        match body::read_up_to(body, limit).await {
+            Ok(Buffered::Complete(bytes)) => Ok(Replayable::Buffered(parts, bytes)),
+            Ok(Buffered::Streaming(body)) => {
+                Ok(Replayable::Once(Some(Request::from_parts(parts, body))))
+            }
+            Err(e) => Err(ProxyError::BadRequest(format!(
+                "reading the request body failed: {e}"
+            ))),
+        }
+    }
+
+    /// Whether the request can be sent again.
+    fn can_replay(&self) -> bool {
+        matches!(self, Replayable::Buffered(..))
+    }
+
+    /// The request for attempt `attempt` (0 for the first).
+    fn attempt(&mut self, attempt: u32) -> Request<Body> {
+        let (parts, bytes) = match self {
+            Replayable::Buffered(parts, bytes) => (parts, bytes),
+            Replayable::Once(req) => return req.take().expect("a streamed request is sent once"),
+        };
+        let mut req = Request::new(body::full(bytes.clone()));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = parts.uri.clone();
+        *req.version_mut() = parts.version;
+        *req.headers_mut() = parts.headers.clone();
+        *req.extensions_mut() = parts.extensions.clone();
+        if attempt > 0 {
+            req.extensions_mut().insert(Retrying);
+        }
+        req
+    }
+}
+
+/// Sends `request` through the throttle, pausing the group and replaying as the
+/// upstream's answers say.
+async fn send<S>(
+    inner: &mut S,
+    mut request: Replayable,
+    group: &Group,
+    arrived: Instant,
+) -> Result<Response<Body>, ProxyError>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>,
+    S::Future: Send + 'static,
+{
+    let settings = &group.settings;
+    let mut attempt = 0;
+    loop {
+        let response = call_boxed(inner, request.attempt(attempt)).await?;
+        let verdict = judge(
+            response.status().as_u16(),
+            response.headers(),
+            settings,
+            SystemTime::now(),
+            group.pushbacks_in_row(),
+            jitter(),
+        );
+        let pause = match verdict {
+            Verdict::Pass => {
+                group.calm();
+                return Ok(response);
+            }
+            Verdict::Pause(pause) => {
+                group.calm();
+                group.pause_until(Instant::now() + pause);
+                record_pause(group, pause, "budget spent (rate-limit headers)");
+                return Ok(response);
+            }
+            Verdict::PushBack(pause) => pause,
+        };
+        group.push_back(pause);
+        record_pause(group, pause, "upstream pushed back");
+        let in_time = Instant::now() + pause < arrived + settings.max_wait;
+        if request.can_replay() && attempt < settings.max_retries && in_time {
+            attempt += 1;
+            group.metrics.retries.inc();
+            tracing::debug!(group = %group.name, attempt, "retrying after push-back");
+            // Dropping the response frees its concurrency permit before the retry queues.
+            drop(response);
+            continue;
+        }
+        group.metrics.passed_through.inc();
+        return Ok(response);
+    }
+}
+
+fn record_pause(group: &Group, pause: Duration, why: &str) {
+    group.metrics.pauses.inc();
+    group.metrics.pause_seconds.observe(pause.as_secs_f64());
+    tracing::info!(
+        group = %group.name,
+        pause = %humantime::format_duration(Duration::from_millis(pause.as_millis() as u64)),
+        "pausing group: {why}"
+    );
+}
+
+/// See `limit::layer::call_boxed`: erases the inner future's type before it is awaited.
+fn call_boxed<S>(inner: &mut S, req: Request<Body>) -> BoxFuture
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>,
+    S::Future: Send + 'static,
+{
+    Box::pin(inner.call(req))
+}
+
+/// A number in `[0, 1)` for backoff jitter. The standard library's per-instance random
+/// hash keys are plenty for spreading retries; no cryptographic quality is needed.
+fn jitter() -> f64 {
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| (header::HeaderName::from_static(k), v.parse().unwrap()))
+            .collect()
+    }
+
+    fn judged(status: u16, pairs: &[(&'static str, &str)]) -> Verdict {
+        let now = httpdate::parse_http_date("Sun, 22 Nov 2026 10:00:00 GMT").unwrap();
+        judge(
+            status,
+            &headers(pairs),
+            &GroupSettings::default(),
+            now,
+            0,
+            0.5,
+        )
+    }
+
+    #[test]
+    fn ordinary_answers_pass() {
+        assert_eq!(judged(200, &[]), Verdict::Pass);
+        assert_eq!(judged(500, &[("retry-after", "5")]), Verdict::Pass);
+    }
+
+    #[test]
+    fn a_429_pushes_back_for_retry_after() {
+        let v = judged(429, &[("retry-after", "7")]);
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn a_date_is_read_against_the_upstreams_own_date() {
+        // The upstream's clock is an hour ahead of ours: what counts is its 20 s.
+        let v = judged(
+            429,
+            &[
+                ("retry-after", "Sun, 22 Nov 2026 11:00:20 GMT"),
+                ("date", "Sun, 22 Nov 2026 11:00:00 GMT"),
+            ],
+        );
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(20)));
+    }
+
+    #[test]
+    fn a_503_without_retry_after_is_an_outage_not_a_limit() {
+        assert_eq!(judged(503, &[]), Verdict::Pass);
+        let v = judged(503, &[("retry-after", "3")]);
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn garbage_falls_back_to_backoff() {
+        match judged(429, &[("retry-after", "soon")]) {
+            Verdict::PushBack(d) => assert!(d <= Duration::from_secs(1), "{d:?}"),
+            v => panic!("{v:?}"),
+        }
+    }
+
+    #[test]
+    fn a_429_without_retry_after_uses_the_rate_limit_reset() {
+        let v = judged(
+            429,
+            &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "12")],
+        );
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(12)));
+    }
+
+    #[test]
+    fn a_spent_budget_pauses_before_any_429() {
+        let v = judged(
+            200,
+            &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "12")],
+        );
+        assert_eq!(v, Verdict::Pause(Duration::from_secs(12)));
+        let v = judged(200, &[("ratelimit", "\"default\";r=0;t=4")]);
+        assert_eq!(v, Verdict::Pause(Duration::from_secs(4)));
+        assert_eq!(
+            judged(200, &[("x-ratelimit-remaining", "3")]),
+            Verdict::Pass
+        );
+    }
+
+    #[test]
+    fn pauses_are_capped() {
+        let v = judged(429, &[("retry-after", "99999999")]);
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(600)));
+    }
+
+    #[test]
+    fn statuses_are_configurable() {
+        let settings = GroupSettings {
+            retry_statuses: vec![429],
+            ..GroupSettings::default()
+        };
+        let v = judge(
+            503,
+            &headers(&[("retry-after", "3")]),
+            &settings,
+            SystemTime::now(),
+            0,
+            0.0,
+        );
+        assert_eq!(v, Verdict::Pass);
+    }
+
+    #[test]
+    fn jitter_is_in_range() {
+        for _ in 0..1000 {
+            let j = jitter();
+            assert!((0.0..1.0).contains(&j));
+        }
+    }
+}
