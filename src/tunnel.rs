@@ -6,8 +6,11 @@
 //! copied both ways until either side closes. Tunnels outlive the HTTP exchange, so they
 //! run on a [`TaskTracker`] that shutdown waits for.
 
+use std::time::Duration;
+
 use http::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
@@ -31,13 +34,8 @@ pub async fn open<H: Send + 'static>(
         let _hold = hold;
         match on_upgrade.await {
             Ok(upgraded) => {
-                let mut client = TokioIo::new(upgraded);
-                match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-                    Ok((up, down)) => {
-                        tracing::debug!(%authority, up, down, "tunnel closed");
-                    }
-                    Err(e) => tracing::debug!(%authority, error = %e, "tunnel ended with an error"),
-                }
+                let (up, down) = relay(TokioIo::new(upgraded), &mut upstream).await;
+                tracing::debug!(%authority, up, down, "tunnel closed");
             }
             Err(e) => {
                 tracing::debug!(%authority, error = %e, "client left before the tunnel opened")
@@ -47,4 +45,42 @@ pub async fn open<H: Send + 'static>(
     let mut resp = Response::new(body::empty());
     *resp.status_mut() = StatusCode::OK;
     Ok(resp)
+}
+
+/// After one side of a tunnel has closed, how long the other may go on sending.
+///
+/// A plain bidirectional copy waits for both directions to end, so a client that hangs
+/// up in front of an upstream that never speaks again would hold the tunnel (and its
+/// concurrency permit) forever.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// Copies bytes both ways until one side closes and the other has finished or lingered
+/// [`LINGER`]; returns the bytes sent up and down.
+async fn relay(
+    client: impl AsyncRead + AsyncWrite,
+    upstream: &mut tokio::net::TcpStream,
+) -> (u64, u64) {
+    let (mut client_read, mut client_write) = tokio::io::split(client);
+    let (mut upstream_read, mut upstream_write) = upstream.split();
+    let up = async {
+        let sent = tokio::io::copy(&mut client_read, &mut upstream_write).await;
+        let _ = upstream_write.shutdown().await;
+        sent.unwrap_or(0)
+    };
+    let down = async {
+        let sent = tokio::io::copy(&mut upstream_read, &mut client_write).await;
+        let _ = client_write.shutdown().await;
+        sent.unwrap_or(0)
+    };
+    tokio::pin!(up, down);
+    tokio::select! {
+        sent_up = &mut up => {
+            let sent_down = tokio::time::timeout(LINGER, &mut down).await.unwrap_or(0);
+            (sent_up, sent_down)
+        }
+        sent_down = &mut down => {
+            let sent_up = tokio::time::timeout(LINGER, &mut up).await.unwrap_or(0);
+            (sent_up, sent_down)
+        }
+    }
 }

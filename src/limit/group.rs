@@ -71,10 +71,9 @@ struct State {
     /// Adaptive mode: when the factor last changed.
     factor_changed: Instant,
     /// Requests waiting for the turn, in order; a smaller key goes first.
-    waiting: BTreeMap<i64, oneshot::Sender<()>>,
-    /// Key for the next request at the back / front of the queue.
-    next_back: i64,
-    next_front: i64,
+    waiting: BTreeMap<Key, oneshot::Sender<()>>,
+    /// Sequence number of the next request to join the queue.
+    next_seq: u64,
     /// Whether some request holds the turn.
     turn_taken: bool,
     /// Requests admitted to the queue and not yet departed (waiting + the turn holder).
@@ -84,6 +83,15 @@ struct State {
     /// Nothing leaves before this (upstream push-back).
     paused_until: Option<Instant>,
 }
+
+/// A place in the queue: `(rank, arrival order)`. Retried requests have rank −1 and
+/// go before every normal request (rank 0); within a rank, first come first served.
+type Key = (i8, u64);
+
+/// The rank of requests retried after push-back: ahead of everyone else.
+const RETRY: i8 = -1;
+/// The rank of requests on their first attempt.
+const FIRST: i8 = 0;
 
 /// A snapshot of a group for the admin `/status` page.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -135,8 +143,7 @@ impl Group {
                 factor_changed: now,
                 tats: vec![Duration::ZERO; rates.len()],
                 waiting: BTreeMap::new(),
-                next_back: 0,
-                next_front: -1,
+                next_seq: 0,
                 turn_taken: false,
                 queued: 0,
                 queued_cost: 0,
@@ -161,8 +168,13 @@ impl Group {
     ) -> Result<Permit, Refusal> {
         let mut place = self.enqueue(cost, front)?;
         let waited = async {
-            place.wait_for_turn().await;
-            self.wait_to_leave(cost).await
+            loop {
+                place.wait_for_turn().await;
+                match self.wait_to_leave(&place).await {
+                    Some(permit) => return permit,
+                    None => place.step_aside(),
+                }
+            }
         };
         match tokio::time::timeout_at(deadline, waited).await {
             Ok(permit) => {
@@ -280,31 +292,34 @@ impl Group {
         state.queued += 1;
         state.queued_cost += u64::from(cost);
         self.metrics.queue_depth.set(state.queued as i64);
+        let key = (if front { RETRY } else { FIRST }, state.next_seq);
+        state.next_seq += 1;
         let stage = if !state.turn_taken && state.waiting.is_empty() {
             state.turn_taken = true;
             Stage::HasTurn
         } else {
-            let (tx, rx) = oneshot::channel();
-            let key = if front {
-                state.next_front -= 1;
-                state.next_front + 1
-            } else {
-                state.next_back += 1;
-                state.next_back - 1
-            };
-            state.waiting.insert(key, tx);
-            Stage::Waiting(key, rx)
+            Stage::Waiting(Group::wait_in_line(&mut state, key))
         };
         Ok(Place {
             group: self.clone(),
             cost,
+            key,
             stage,
         })
     }
 
+    fn wait_in_line(state: &mut State, key: Key) -> oneshot::Receiver<()> {
+        let (tx, rx) = oneshot::channel();
+        state.waiting.insert(key, tx);
+        rx
+    }
+
     /// Holding the turn: waits out a pause, the rate and a concurrency permit, then
-    /// records the departure in the rate state.
-    async fn wait_to_leave(self: &Arc<Self>, cost: u32) -> Permit {
+    /// records the departure in the rate state. Returns `None` instead of leaving when
+    /// a retried request joined the queue ahead of this one meanwhile (typically during
+    /// the pause its push-back caused): it must go first.
+    async fn wait_to_leave(self: &Arc<Self>, place: &Place) -> Option<Permit> {
+        let cost = place.cost;
         let mut permit = None;
         loop {
             let now = Instant::now();
@@ -330,6 +345,15 @@ impl Group {
                 continue;
             };
             let mut state = self.lock();
+            if state
+                .waiting
+                .keys()
+                .next()
+                .is_some_and(|first| *first < place.key)
+            {
+                // `held` is dropped: the retry may need this very permit.
+                return None;
+            }
             let now = Instant::now();
             if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
                 let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
@@ -337,7 +361,7 @@ impl Group {
             }
             let state = &mut *state;
             gcra::advance_all(&state.rates, &mut state.tats, now - self.epoch, cost);
-            return Permit::new(held, self.clone());
+            return Some(Permit::new(held, self.clone()));
         }
     }
 
@@ -379,12 +403,14 @@ impl Group {
 struct Place {
     group: Arc<Group>,
     cost: u32,
+    /// Its position: the key it waits (or waited) under.
+    key: Key,
     stage: Stage,
 }
 
 enum Stage {
-    /// In the queue under this key, until the turn arrives on the channel.
-    Waiting(i64, oneshot::Receiver<()>),
+    /// In the queue under `key`, until the turn arrives on the channel.
+    Waiting(oneshot::Receiver<()>),
     /// Holding the group's turn.
     HasTurn,
     /// Departed: no longer counted in the queue, turn passed on.
@@ -393,12 +419,23 @@ enum Stage {
 
 impl Place {
     async fn wait_for_turn(&mut self) {
-        if let Stage::Waiting(_, rx) = &mut self.stage {
+        if let Stage::Waiting(rx) = &mut self.stage {
             // The sender is only dropped after `send`, or by `Place::drop` of this very
             // waiter, so an error cannot happen while we are still polling.
             let _ = rx.await;
             self.stage = Stage::HasTurn;
         }
+    }
+
+    /// Hands the turn to the retried request ahead and waits right behind it: ahead of
+    /// every request that has not been refused, as the head it was.
+    fn step_aside(&mut self) {
+        let mut state = self.group.lock();
+        self.key = (RETRY, state.next_seq);
+        state.next_seq += 1;
+        let rx = Group::wait_in_line(&mut state, self.key);
+        Group::pass_turn(&mut state);
+        self.stage = Stage::Waiting(rx);
     }
 
     /// The request is done with the queue (left for the upstream, or refused after
@@ -413,10 +450,10 @@ impl Place {
         let mut state = group.lock();
         match std::mem::replace(&mut self.stage, Stage::Gone) {
             Stage::Gone => return,
-            Stage::Waiting(key, _) => {
+            Stage::Waiting(_) => {
                 // Still in the map: it never got the turn. Gone from the map: the turn
                 // was sent to it just now, so it must be passed on.
-                if state.waiting.remove(&key).is_none() {
+                if state.waiting.remove(&self.key).is_none() {
                     Group::pass_turn(&mut state);
                 }
             }
@@ -637,8 +674,9 @@ mod tests {
         while let Some(x) = rx.recv().await {
             out.push(x);
         }
-        // "a" already holds the turn (sleeping until 1 s); the retry is next, before "b".
-        assert_eq!(out, [("a", 1000), ("retry", 2000), ("b", 3000)]);
+        // "a" holds the turn, asleep until its slot at 1 s; the retry arrives meanwhile
+        // and leaves in that slot, "a" right after it, then "b".
+        assert_eq!(out, [("retry", 1000), ("a", 2000), ("b", 3000)]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -678,5 +716,32 @@ mod tests {
         assert!(!g.is_idle(), "the TAT is still ahead");
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(g.is_idle());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_holding_the_only_permit_gives_it_to_a_retry() {
+        let g = group("unlimited", |s| s.concurrency = 1);
+        let start = Instant::now();
+        let far = start + Duration::from_secs(60);
+        let in_flight = g.admit(1, start, far, false).await.unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (name, front) in [("head", false), ("retry", true)] {
+            let (g, tx) = (g.clone(), tx.clone());
+            tokio::spawn(async move {
+                let permit = g.admit(1, start, far, front).await.unwrap();
+                tx.send(name).unwrap();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                drop(permit);
+            });
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        // The head is waiting for the permit; when it comes back, the retry gets it.
+        drop(in_flight);
+        let mut order = vec![];
+        while let Some(name) = rx.recv().await {
+            order.push(name);
+        }
+        assert_eq!(order, ["retry", "head"]);
     }
 }
