@@ -32,6 +32,76 @@ pub struct Config {
     pub limits: Vec<LimitGroup>,
     /// The admin listener (`/metrics`, `/healthz`, `/status`); off when absent.
     pub admin: Option<AdminConfig>,
+    /// Where limit state lives: in this process, or in Redis shared by replicas.
+    pub backend: BackendConfig,
+}
+
+/// `[backend]`: where limit state lives.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendConfig {
+    /// `memory` (this process only) or `redis` (shared by every replica using it).
+    pub kind: BackendKind,
+    /// `redis://[:password@]host:port/db` or `rediss://` for TLS.
+    pub url: Option<RedisUrl>,
+    /// Prefix of every key tollgate writes.
+    pub key_prefix: String,
+    /// The longest a request waits for Redis before tollgate treats it as down.
+    pub timeout: Dur,
+    /// What to do while Redis is unreachable.
+    pub on_backend_error: OnBackendError,
+    /// How many replicas share the budget, for the local fallback (rate / replicas);
+    /// by default, the replicas seen alive in Redis recently.
+    pub replicas: Option<u32>,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig {
+            kind: BackendKind::Memory,
+            url: None,
+            key_prefix: "tollgate:".into(),
+            timeout: Dur(Duration::from_millis(50)),
+            on_backend_error: OnBackendError::Local,
+            replicas: None,
+        }
+    }
+}
+
+/// Where limit state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// In this process.
+    Memory,
+    /// In Redis, shared by replicas.
+    Redis,
+}
+
+/// What requests get while the shared store is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBackendError {
+    /// Keep serving with local limits at rate / replicas.
+    Local,
+    /// Refuse with 503.
+    Deny,
+}
+
+/// A Redis URL, checked for its scheme.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisUrl(pub String);
+
+impl<'de> Deserialize<'de> for RedisUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        if !(text.starts_with("redis://") || text.starts_with("rediss://")) {
+            return Err(de::Error::custom(format!(
+                "invalid Redis URL {text:?}: expected redis://[:password@]host:port/db or rediss://..."
+            )));
+        }
+        Ok(RedisUrl(text))
+    }
 }
 
 /// `[proxy]`: where tollgate listens and how it talks to upstreams.
@@ -124,6 +194,9 @@ pub struct GroupSettings {
     pub adaptive: bool,
     /// The floor of the adaptive rate.
     pub min_rate: Option<Rate>,
+    /// With the Redis backend: count in-flight requests across all replicas (leases in
+    /// Redis) instead of per replica.
+    pub shared_concurrency: bool,
 }
 
 impl Default for GroupSettings {
@@ -141,6 +214,7 @@ impl Default for GroupSettings {
             max_pause: Duration::from_secs(600),
             adaptive: false,
             min_rate: None,
+            shared_concurrency: false,
         }
     }
 }
@@ -578,6 +652,8 @@ struct RawConfig {
     limit: Vec<Spanned<RawSettings>>,
     #[serde(default)]
     admin: Option<AdminConfig>,
+    #[serde(default)]
+    backend: Option<Spanned<BackendConfig>>,
 }
 
 /// A `[defaults]` or `[[limit]]` table as written: every key optional, so a `[[limit]]`
@@ -600,6 +676,7 @@ struct RawSettings {
     max_pause: Option<Dur>,
     adaptive: Option<Spanned<bool>>,
     min_rate: Option<Spanned<Rate>>,
+    shared_concurrency: Option<bool>,
 }
 
 type Located = (Range<usize>, String);
@@ -659,6 +736,7 @@ impl RawSettings {
             max_pause: self.max_pause.map_or(base.max_pause, |d| d.0),
             adaptive,
             min_rate: self.min_rate.map(Spanned::into_inner).or(base.min_rate),
+            shared_concurrency: self.shared_concurrency.unwrap_or(base.shared_concurrency),
         })
     }
 }
@@ -678,6 +756,15 @@ impl RawConfig {
             ));
         }
         let defaults = self.defaults.resolve(&GroupSettings::default())?;
+        if let Some(backend) = &self.backend {
+            let (span, b) = (backend.span(), backend.get_ref());
+            if b.kind == BackendKind::Redis && b.url.is_none() {
+                return Err((span, "kind = \"redis\" needs a url".into()));
+            }
+            if b.replicas == Some(0) {
+                return Err((span, "replicas must be at least 1".into()));
+            }
+        }
 
         let mut limits: Vec<LimitGroup> = Vec::new();
         let mut hosts = HashSet::new();
@@ -740,6 +827,7 @@ impl RawConfig {
             defaults,
             limits,
             admin: self.admin,
+            backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
         })
     }
 }

@@ -109,6 +109,12 @@ pub enum ProxyError {
         /// An estimate of when a request could get through.
         retry_after: Duration,
     },
+    /// The shared limit store is unreachable and `on_backend_error = "deny"`.
+    #[error("the shared limit store (Redis) is unreachable; group {group} refuses requests until it answers (backend.on_backend_error = \"deny\")")]
+    BackendDown {
+        /// The group's name.
+        group: String,
+    },
     /// The upstream broke the exchange (closed early, spoke bad HTTP, ...).
     #[error("{authority} failed: {reason}")]
     Upstream {
@@ -138,7 +144,9 @@ impl ProxyError {
             Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
             ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            QueueFull { .. } | QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            QueueFull { .. } | QueueTimeout { .. } | BackendDown { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -160,6 +168,7 @@ impl ProxyError {
             // RFC 9209 has no queue types: the request was denied by tollgate's own
             // policy, and `details` says which bound.
             QueueFull { .. } | QueueTimeout { .. } => "http_request_denied",
+            BackendDown { .. } => "proxy_internal_error",
         }
     }
 
@@ -172,6 +181,7 @@ impl ProxyError {
                 queue: group.settings.queue,
                 retry_after,
             },
+            crate::limit::Refusal::BackendDown => ProxyError::BackendDown { group: name },
             crate::limit::Refusal::MaxWait {
                 waited,
                 retry_after,
@@ -188,6 +198,8 @@ impl ProxyError {
         match self {
             ProxyError::QueueFull { retry_after, .. }
             | ProxyError::QueueTimeout { retry_after, .. } => Some(*retry_after),
+            // The probe looks twice a second; a second is an honest guess.
+            ProxyError::BackendDown { .. } => Some(Duration::from_secs(1)),
             _ => None,
         }
     }

@@ -29,10 +29,10 @@ use tower::{Service, ServiceBuilder};
 
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Target};
-use crate::config::{Config, ConfigError};
+use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
 use crate::limit::layer::{Arrival, ThrottleLayer, TunnelPermit};
-use crate::limit::Limits;
+use crate::limit::{Limits, Shared};
 use crate::metrics::Metrics;
 use crate::pushback::PushbackLayer;
 use crate::tunnel;
@@ -45,6 +45,7 @@ type Stack = BoxCloneSyncService<Request<Body>, Response<Body>, ProxyError>;
 /// connections.
 pub struct Proxy {
     classifier: Classifier,
+    shared: Option<Arc<Shared>>,
     limits: Arc<Limits>,
     metrics: Arc<Metrics>,
     stack: Stack,
@@ -63,7 +64,18 @@ impl Proxy {
                 message,
             })?;
         let metrics = Arc::new(Metrics::new());
-        let limits = Arc::new(Limits::new(config, metrics.clone()));
+        let shared = match config.backend.kind {
+            BackendKind::Memory => None,
+            BackendKind::Redis => {
+                Some(Shared::new(&config.backend, &metrics).map_err(|message| {
+                    ConfigError::Other {
+                        file: "backend.url".into(),
+                        message,
+                    }
+                })?)
+            }
+        };
+        let limits = Arc::new(Limits::new(config, metrics.clone(), shared.clone()));
         let tunnels = TaskTracker::new();
         let dispatch = Dispatch {
             upstream,
@@ -76,6 +88,7 @@ impl Proxy {
             .service(dispatch);
         Ok(Proxy {
             classifier: Classifier::new(config),
+            shared,
             limits,
             metrics,
             stack: BoxCloneSyncService::new(stack),
@@ -110,6 +123,13 @@ impl Proxy {
             tracing::debug!(error = %e, "request failed");
             e.into_response()
         })
+    }
+
+    /// Starts background work that needs a runtime (the shared store's heartbeat).
+    pub fn start_background(&self) {
+        if let Some(shared) = &self.shared {
+            shared.spawn_maintenance();
+        }
     }
 
     /// The groups, for the admin endpoints.

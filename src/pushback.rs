@@ -231,7 +231,7 @@ where
             }
             Verdict::Pause(pause) => {
                 group.calm();
-                group.pause_until(Instant::now() + pause);
+                group.pause_for(pause);
                 record_pause(group, pause, "budget spent (rate-limit headers)");
                 return Ok(response);
             }

@@ -37,6 +37,7 @@ pub async fn run_with_admin(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConfigError> {
     let proxy = Arc::new(Proxy::new(&config)?);
+    proxy.start_background();
     let stop = CancellationToken::new();
     if let Some(admin) = admin {
         let stop = stop.clone();

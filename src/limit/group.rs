@@ -19,7 +19,8 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::gcra::{self, Gcra};
-use crate::config::GroupSettings;
+use super::shared::{Lease, Shared};
+use crate::config::{GroupSettings, OnBackendError};
 use crate::metrics::GroupMetrics;
 
 /// Why a request was not admitted.
@@ -30,6 +31,8 @@ pub enum Refusal {
         /// An estimate of when the queue will have room.
         retry_after: Duration,
     },
+    /// The shared store is unreachable and `on_backend_error = "deny"`.
+    BackendDown,
     /// The request waited `max_wait` without reaching the head and leaving.
     MaxWait {
         /// How long it waited.
@@ -51,6 +54,8 @@ pub struct Group {
     min_factor: f64,
     /// Push-backs since the upstream last answered normally (for the fallback backoff).
     pushbacks_in_row: AtomicU32,
+    /// The Redis store, when limits are shared by replicas.
+    shared: Option<Arc<Shared>>,
     /// Concurrency permits; tokio's semaphore is FIFO, and only the turn holder asks.
     permits: Arc<Semaphore>,
     /// Origin of the `Duration` times in the rate state.
@@ -109,6 +114,11 @@ pub struct GroupStatus {
     pub effective_rates_per_second: Vec<f64>,
 }
 
+/// Waiting for a shared concurrency lease: the first and the longest pause between
+/// looks (they double in between).
+const LEASE_POLL_MIN: Duration = Duration::from_millis(5);
+const LEASE_POLL_MAX: Duration = Duration::from_millis(100);
+
 /// Adaptive mode: after each calm interval of this length the rate climbs by
 /// [`ADAPTIVE_STEP`] of the configured rate (additive increase, multiplicative decrease).
 const ADAPTIVE_CALM: Duration = Duration::from_secs(1);
@@ -119,7 +129,12 @@ const ADAPTIVE_FLOOR: f64 = 0.05;
 
 impl Group {
     /// A new, idle group.
-    pub fn new(name: Arc<str>, settings: GroupSettings, metrics: GroupMetrics) -> Group {
+    pub fn new(
+        name: Arc<str>,
+        settings: GroupSettings,
+        metrics: GroupMetrics,
+        shared: Option<Arc<Shared>>,
+    ) -> Group {
         let rates: Vec<Gcra> = settings
             .rates
             .iter()
@@ -137,6 +152,7 @@ impl Group {
             epoch: now,
             min_factor,
             pushbacks_in_row: AtomicU32::new(0),
+            shared,
             state: Mutex::new(State {
                 rates: rates.clone(),
                 factor: 1.0,
@@ -170,14 +186,18 @@ impl Group {
         let waited = async {
             loop {
                 place.wait_for_turn().await;
-                match self.wait_to_leave(&place).await {
-                    Some(permit) => return permit,
+                match self.wait_to_leave(&place).await? {
+                    Some(permit) => return Ok(permit),
                     None => place.step_aside(),
                 }
             }
         };
         match tokio::time::timeout_at(deadline, waited).await {
-            Ok(permit) => {
+            Ok(Err(refusal)) => {
+                place.departed();
+                Err(refusal)
+            }
+            Ok(Ok(permit)) => {
                 place.departed();
                 self.metrics
                     .queue_wait
@@ -196,8 +216,18 @@ impl Group {
         }
     }
 
-    /// Holds every request of the group until `until` (upstream push-back). A later
-    /// pause extends an earlier one; an earlier one never shortens it.
+    /// Holds every request of the group for `pause`, on every replica when the store is
+    /// shared.
+    pub fn pause_for(&self, pause: Duration) {
+        self.pause_until(Instant::now() + pause);
+        if let Some(shared) = &self.shared {
+            let (shared, name) = (shared.clone(), self.name.clone());
+            tokio::spawn(async move { shared.pause(&name, pause).await });
+        }
+    }
+
+    /// Holds every request of the group (in this process) until `until`. A later pause
+    /// extends an earlier one; an earlier one never shortens it.
     pub fn pause_until(&self, until: Instant) {
         let mut state = self.lock();
         state.paused_until = Some(state.paused_until.map_or(until, |p| p.max(until)));
@@ -207,7 +237,7 @@ impl Group {
     /// halve the effective rate (not below the floor).
     pub fn push_back(&self, pause: Duration) {
         self.pushbacks_in_row.fetch_add(1, Ordering::Relaxed);
-        self.pause_until(Instant::now() + pause);
+        self.pause_for(pause);
         if self.settings.adaptive {
             let mut state = self.lock();
             let factor = (state.factor / 2.0).max(self.min_factor);
@@ -245,7 +275,7 @@ impl Group {
         GroupStatus {
             name: self.name.to_string(),
             queued: state.queued,
-            in_flight: self.settings.concurrency - self.permits.available_permits(),
+            in_flight: self.metrics.in_flight.get().max(0) as usize,
             paused_for_seconds: state
                 .paused_until
                 .filter(|p| *p > now)
@@ -266,7 +296,7 @@ impl Group {
         let now = Instant::now();
         let since_epoch = now - self.epoch;
         state.queued == 0
-            && self.permits.available_permits() == self.settings.concurrency
+            && self.metrics.in_flight.get() == 0
             && state.paused_until.is_none_or(|p| p <= now)
             && state.tats.iter().all(|tat| *tat <= since_epoch)
     }
@@ -315,33 +345,34 @@ impl Group {
     }
 
     /// Holding the turn: waits out a pause, the rate and a concurrency permit, then
-    /// records the departure in the rate state. Returns `None` instead of leaving when
-    /// a retried request joined the queue ahead of this one meanwhile (typically during
-    /// the pause its push-back caused): it must go first.
-    async fn wait_to_leave(self: &Arc<Self>, place: &Place) -> Option<Permit> {
+    /// records the departure. Returns `Ok(None)` instead of leaving when a retried
+    /// request joined the queue ahead of this one meanwhile (typically during the pause
+    /// its push-back caused): it must go first.
+    async fn wait_to_leave(self: &Arc<Self>, place: &Place) -> Result<Option<Permit>, Refusal> {
         let cost = place.cost;
         let mut permit = None;
+        // With the shared store a slot is counted as soon as it is booked, so it is
+        // booked once, not re-checked after sleeping like the local rate state.
+        let mut booked = false;
         loop {
             let now = Instant::now();
-            let wait_until = {
-                let state = self.lock();
-                let since_epoch = now - self.epoch;
-                let depart = gcra::earliest_all(&state.rates, &state.tats, since_epoch);
-                let paced = self.epoch + depart;
-                match state.paused_until {
-                    Some(pause) if pause > paced => pause,
-                    _ => paced,
-                }
-            };
-            if wait_until > now {
-                tokio::time::sleep_until(wait_until).await;
+            if let Some(pause) = self.paused_until() {
+                booked = false; // a slot booked before the pause began has passed
+                tokio::time::sleep_until(pause).await;
                 continue;
             }
+            if !booked {
+                let (at, is_booking) = self.pace(cost).await?;
+                booked = is_booking;
+                if at > now {
+                    tokio::time::sleep_until(at).await;
+                    continue;
+                }
+            }
             let Some(held) = permit.take() else {
-                // Waiting for a permit can take long (slow upstream); a pause or the
-                // rate may have changed meanwhile, so look again before leaving.
-                let acquired = self.permits.clone().acquire_owned().await;
-                permit = Some(acquired.expect("the semaphore is never closed"));
+                // Waiting for a permit can take long (slow upstream); a pause may have
+                // begun meanwhile, so look again before leaving.
+                permit = Some(self.acquire().await?);
                 continue;
             };
             let mut state = self.lock();
@@ -352,16 +383,92 @@ impl Group {
                 .is_some_and(|first| *first < place.key)
             {
                 // `held` is dropped: the retry may need this very permit.
-                return None;
+                return Ok(None);
             }
             let now = Instant::now();
             if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
                 let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
                 self.set_factor(&mut state, factor);
             }
-            let state = &mut *state;
-            gcra::advance_all(&state.rates, &mut state.tats, now - self.epoch, cost);
-            return Some(Permit::new(held, self.clone()));
+            if !booked {
+                let rates = self.local_rates(&state);
+                gcra::advance_all(&rates, &mut state.tats, now - self.epoch, cost);
+            }
+            return Ok(Some(Permit::new(held, self.clone())));
+        }
+    }
+
+    /// When the rate lets a request of `cost` leave, and whether that slot is already
+    /// booked (in the shared store) or still to be recorded at departure (locally).
+    async fn pace(&self, cost: u32) -> Result<(Instant, bool), Refusal> {
+        if let Some(shared) = &self.shared {
+            let rates = self.lock().rates.clone();
+            if let Some(booking) = shared.reserve(&self.name, &rates, cost).await {
+                let now = Instant::now();
+                if let Some(pause) = booking.paused_for {
+                    // Another replica's push-back: remember it, so requests that are
+                    // already waiting here honour it too.
+                    self.pause_until(now + pause);
+                }
+                return Ok((now + booking.wait, true));
+            }
+            if shared.on_error == OnBackendError::Deny {
+                return Err(Refusal::BackendDown);
+            }
+        }
+        let state = self.lock();
+        let since_epoch = Instant::now() - self.epoch;
+        let depart = gcra::earliest_all(&self.local_rates(&state), &state.tats, since_epoch);
+        Ok((self.epoch + depart, false))
+    }
+
+    /// The rates enforced in this process: the group's own, or with the shared store
+    /// down, this replica's share of them (rate / replicas).
+    fn local_rates(&self, state: &State) -> Vec<Gcra> {
+        match &self.shared {
+            Some(shared) if !shared.is_up() => {
+                let share = 1.0 / f64::from(shared.replicas());
+                state.rates.iter().map(|r| r.scaled(share)).collect()
+            }
+            _ => state.rates.clone(),
+        }
+    }
+
+    /// A concurrency permit: a local one, or a lease in the shared store.
+    async fn acquire(&self) -> Result<Held, Refusal> {
+        let local = |count: u32| async move {
+            let acquired = self.permits.clone().acquire_many_owned(count).await;
+            Held::Local(acquired.expect("the semaphore is never closed"))
+        };
+        let Some(shared) = self
+            .shared
+            .as_ref()
+            .filter(|_| self.settings.shared_concurrency)
+        else {
+            return Ok(local(1).await);
+        };
+        let mut poll = LEASE_POLL_MIN;
+        loop {
+            match shared
+                .try_lease(&self.name, self.settings.concurrency)
+                .await
+            {
+                Some(Some(lease)) => return Ok(Held::Lease(lease)),
+                // Every lease is taken, on some replica: look again shortly.
+                Some(None) => {
+                    tokio::time::sleep(poll).await;
+                    poll = (poll * 2).min(LEASE_POLL_MAX);
+                }
+                None if shared.on_error == OnBackendError::Deny => {
+                    return Err(Refusal::BackendDown)
+                }
+                // Redis is down: this replica's share, by taking `replicas` local
+                // permits per request out of `concurrency`.
+                None => {
+                    let share = shared.replicas().min(self.settings.concurrency as u32);
+                    return Ok(local(share).await);
+                }
+            }
         }
     }
 
@@ -477,17 +584,20 @@ impl Drop for Place {
 /// A concurrency permit: the request is in flight until this is dropped (when the
 /// response body ends, or the tunnel closes).
 pub struct Permit {
-    _permit: OwnedSemaphorePermit,
+    _held: Held,
     group: Arc<Group>,
 }
 
+/// What a permit holds: local semaphore permits, or a lease in the shared store.
+enum Held {
+    Local(#[allow(dead_code)] OwnedSemaphorePermit),
+    Lease(#[allow(dead_code)] Lease),
+}
+
 impl Permit {
-    fn new(permit: OwnedSemaphorePermit, group: Arc<Group>) -> Permit {
+    fn new(held: Held, group: Arc<Group>) -> Permit {
         group.metrics.in_flight.inc();
-        Permit {
-            _permit: permit,
-            group,
-        }
+        Permit { _held: held, group }
     }
 
     /// The group this permit belongs to.
@@ -525,7 +635,12 @@ mod tests {
         };
         f(&mut settings);
         let _ = Rates::default();
-        Arc::new(Group::new("g".into(), settings, Metrics::new().group("g")))
+        Arc::new(Group::new(
+            "g".into(),
+            settings,
+            Metrics::new().group("g"),
+            None,
+        ))
     }
 
     /// Starts `n` requests in order; returns their (index, departure ms) in departure

@@ -12,6 +12,7 @@
 pub mod gcra;
 pub mod group;
 pub mod layer;
+pub mod shared;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
 pub use group::{Group, Permit, Refusal};
+pub use shared::Shared;
 
 /// Dynamic groups are swept when their count reaches this, or twice the count left
 /// after the last sweep, so sweeping costs O(1) per new host on average.
@@ -33,6 +35,8 @@ pub struct Limits {
     defaults: GroupSettings,
     dynamic: Mutex<Dynamic>,
     metrics: Arc<Metrics>,
+    /// The Redis store, when limits are shared by replicas.
+    shared: Option<Arc<Shared>>,
 }
 
 /// Groups of hosts that match no `[[limit]]`.
@@ -42,8 +46,8 @@ struct Dynamic {
 }
 
 impl Limits {
-    /// Builds the configured groups.
-    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Limits {
+    /// Builds the configured groups, on the shared store when given.
+    pub fn new(config: &Config, metrics: Arc<Metrics>, shared: Option<Arc<Shared>>) -> Limits {
         let mut by_name = HashMap::new();
         let mut by_host = HashMap::new();
         let mut by_suffix = Vec::new();
@@ -52,6 +56,7 @@ impl Limits {
                 limit.name.as_str().into(),
                 limit.settings.clone(),
                 metrics.group(&limit.name),
+                shared.clone(),
             ));
             for host in &limit.hosts {
                 match host {
@@ -75,6 +80,7 @@ impl Limits {
                 sweep_at: FIRST_SWEEP,
             }),
             metrics,
+            shared,
         }
     }
 
@@ -104,6 +110,7 @@ impl Limits {
             host.into(),
             self.defaults.clone(),
             self.metrics.group(host),
+            self.shared.clone(),
         ));
         dynamic.groups.insert(host.to_string(), group.clone());
         group

@@ -1,0 +1,399 @@
+//! The Redis store: limit state shared by every replica that points at one Redis.
+//!
+//! A third-party limit belongs to an API key, not to one proxy, so replicas must share
+//! one budget. Each decision is one Lua script run atomically by Redis with Redis's own
+//! clock (`TIME`), so the replicas' clocks never matter:
+//!
+//! * [`Shared::reserve`] books the next slot of a group's rates (the same GCRA as
+//!   [`super::gcra`], in microseconds) and answers how long to wait for it — one round
+//!   trip per request, no polling. The group's pause is part of the same decision.
+//! * [`Shared::pause`] records an upstream's push-back for every replica.
+//! * [`Shared::try_lease`] takes one of a group's concurrency leases (`shared_concurrency
+//!   = true`). Leases expire unless renewed, so a replica that crashes returns its share
+//!   within [`LEASE_TTL`].
+//!
+//! Keys are `<prefix>{<group>}:...` (the braces keep a group's keys in one Redis Cluster
+//! slot) and expire when idle.
+//!
+//! Redis down, slow or unreachable: a call that fails or takes longer than `timeout`
+//! marks the store down (logged once, `tollgate_backend_up 0`); while down, requests do
+//! not wait for Redis at all and limits are enforced locally at rate / replicas (or
+//! refused, with `on_backend_error = "deny"`), and a background probe marks it up again
+//! as soon as Redis answers.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use prometheus_client::metrics::gauge::Gauge;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::Script;
+
+use super::gcra::Gcra;
+use crate::config::{BackendConfig, OnBackendError};
+use crate::metrics::Metrics;
+
+/// How long a concurrency lease lives without renewal.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+/// How often held leases are renewed and this replica says it is alive.
+const HEARTBEAT: Duration = Duration::from_secs(2);
+/// A replica not heard of for this long no longer counts.
+const REPLICA_TTL: Duration = Duration::from_secs(10);
+/// How often a store that is down is probed.
+const PROBE: Duration = Duration::from_millis(500);
+
+/// Books the next slot. KEYS: the pause key, then one TAT key per rate. ARGV: the cost,
+/// then the interval and tolerance of each rate, in µs. Returns the µs to wait and the
+/// µs of pause left (≤ 0 when not paused).
+const RESERVE: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local cost = tonumber(ARGV[1])
+local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
+local depart = math.max(now, paused)
+local tats = {}
+for i = 2, #KEYS do
+  tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
+  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i - 1]))
+end
+for i = 2, #KEYS do
+  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 2])
+  redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
+end
+return { depart - now, paused - now }
+";
+
+/// Extends the group's pause. KEYS: the pause key. ARGV: the pause in µs.
+const PAUSE: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local pause = tonumber(ARGV[1])
+local current = tonumber(redis.call('GET', KEYS[1]) or 0)
+if now + pause > current then
+  redis.call('SET', KEYS[1], string.format('%.0f', now + pause), 'PX', math.floor(pause / 1000) + 1000)
+end
+return 1
+";
+
+/// Takes a lease if fewer than the limit are live. KEYS: the lease set. ARGV: lease id,
+/// limit, lease ms. Returns 1 if taken.
+const LEASE: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[3]))
+  return 1
+end
+return 0
+";
+
+/// Renews leases and counts live replicas. KEYS: the replica set, then one lease set per
+/// lease. ARGV: this replica's id, the replica ms, the lease ms, then the lease ids.
+/// Returns the number of live replicas.
+const HEARTBEAT_SCRIPT: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
+for i = 2, #KEYS do
+  redis.call('ZADD', KEYS[i], 'XX', now + tonumber(ARGV[3]), ARGV[i + 2])
+  redis.call('PEXPIRE', KEYS[i], 2 * tonumber(ARGV[3]))
+end
+return redis.call('ZCARD', KEYS[1])
+";
+
+/// A booked slot.
+#[derive(Debug, Clone, Copy)]
+pub struct Reservation {
+    /// How long until the request may leave.
+    pub wait: Duration,
+    /// How long the group stays paused (by any replica's push-back), if it is.
+    pub paused_for: Option<Duration>,
+}
+
+/// The connection to Redis and what this replica knows about it.
+pub struct Shared {
+    conn: ConnectionManager,
+    prefix: String,
+    timeout: Duration,
+    /// What requests get while Redis is down.
+    pub on_error: OnBackendError,
+    replicas_configured: Option<u32>,
+    replicas_seen: AtomicU32,
+    /// Whether the last call succeeded; while false, requests skip Redis.
+    up: AtomicBool,
+    up_gauge: Gauge,
+    /// This replica's name in the replica set and in lease ids.
+    id: String,
+    next_lease: AtomicU64,
+    /// Held leases (id → lease set key), renewed by the heartbeat.
+    leases: Mutex<HashMap<String, String>>,
+    reserve: Script,
+    pause: Script,
+    lease: Script,
+    heartbeat: Script,
+}
+
+impl Shared {
+    /// Connects lazily: tollgate starts even while Redis is down.
+    pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Shared>, String> {
+        let url = config.url.as_ref().ok_or("the redis backend needs a url")?;
+        let client = redis::Client::open(url.0.as_str())
+            .map_err(|e| format!("backend.url {:?}: {e}", url.0))?;
+        let timeout = config.timeout.0;
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(1));
+        let conn = ConnectionManager::new_lazy_with_config(client, manager)
+            .map_err(|e| format!("backend.url {:?}: {e}", url.0))?;
+        let up_gauge = Gauge::default();
+        up_gauge.set(1);
+        metrics.register(|registry| {
+            registry.register(
+                "tollgate_backend_up",
+                "Whether the shared limit store (Redis) answers (1) or tollgate runs on local limits (0)",
+                up_gauge.clone(),
+            );
+        });
+        Ok(Arc::new(Shared {
+            conn,
+            prefix: config.key_prefix.clone(),
+            timeout,
+            on_error: config.on_backend_error,
+            replicas_configured: config.replicas,
+            replicas_seen: AtomicU32::new(1),
+            up: AtomicBool::new(true),
+            up_gauge,
+            id: replica_id(),
+            next_lease: AtomicU64::new(0),
+            leases: Mutex::new(HashMap::new()),
+            reserve: Script::new(RESERVE),
+            pause: Script::new(PAUSE),
+            lease: Script::new(LEASE),
+            heartbeat: Script::new(HEARTBEAT_SCRIPT),
+        }))
+    }
+
+    /// Whether Redis answered the last call.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    /// How many replicas share the budget: `replicas` from the config, else the number
+    /// seen alive in Redis recently (at least 1).
+    pub fn replicas(&self) -> u32 {
+        self.replicas_configured
+            .unwrap_or_else(|| self.replicas_seen.load(Ordering::Relaxed))
+            .max(1)
+    }
+
+    /// Books the next slot of `group` for a request of `cost` under `rates`. `None` when
+    /// Redis is down (or just failed): the caller limits locally.
+    pub async fn reserve(&self, group: &str, rates: &[Gcra], cost: u32) -> Option<Reservation> {
+        if !self.is_up() {
+            return None;
+        }
+        let mut call = self.reserve.prepare_invoke();
+        call.key(self.key(group, "pause")).arg(cost);
+        for (i, rate) in rates.iter().enumerate() {
+            call.key(self.key(group, &format!("rate:{i}")))
+                .arg(rate.interval.as_micros() as u64)
+                .arg(rate.tolerance.as_micros() as u64);
+        }
+        let mut conn = self.conn.clone();
+        let (wait, paused): (i64, i64) = self.call(call.invoke_async(&mut conn)).await?;
+        let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
+        Some(Reservation {
+            wait: micros(wait),
+            paused_for: (paused > 0).then(|| micros(paused)),
+        })
+    }
+
+    /// Pauses `group` on every replica for `pause` (counted on Redis's clock).
+    pub async fn pause(&self, group: &str, pause: Duration) {
+        if !self.is_up() {
+            return;
+        }
+        let mut call = self.pause.prepare_invoke();
+        call.key(self.key(group, "pause"))
+            .arg(pause.as_micros() as u64);
+        let mut conn = self.conn.clone();
+        let _: Option<i64> = self.call(call.invoke_async(&mut conn)).await;
+    }
+
+    /// Tries to take one of `limit` concurrency leases of `group`: `Some(Some(lease))`
+    /// if taken, `Some(None)` if all are taken, `None` if Redis is down.
+    pub async fn try_lease(self: &Arc<Self>, group: &str, limit: usize) -> Option<Option<Lease>> {
+        if !self.is_up() {
+            return None;
+        }
+        let id = format!(
+            "{}:{}",
+            self.id,
+            self.next_lease.fetch_add(1, Ordering::Relaxed)
+        );
+        let set = self.key(group, "leases");
+        let mut call = self.lease.prepare_invoke();
+        call.key(&set)
+            .arg(&id)
+            .arg(limit)
+            .arg(LEASE_TTL.as_millis() as u64);
+        let mut conn = self.conn.clone();
+        let taken: i64 = self.call(call.invoke_async(&mut conn)).await?;
+        if taken != 1 {
+            return Some(None);
+        }
+        self.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), set.clone());
+        Some(Some(Lease {
+            shared: self.clone(),
+            id,
+            set,
+        }))
+    }
+
+    /// Runs the heartbeat (replica count, lease renewal) and, while Redis is down, the
+    /// probe that brings it back. Ends when the store is dropped.
+    pub fn spawn_maintenance(self: &Arc<Self>) {
+        let weak: Weak<Shared> = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut last_beat = tokio::time::Instant::now() - HEARTBEAT;
+            loop {
+                let Some(shared) = weak.upgrade() else { return };
+                if !shared.is_up() {
+                    shared.probe().await;
+                } else if last_beat.elapsed() >= HEARTBEAT {
+                    shared.beat().await;
+                    last_beat = tokio::time::Instant::now();
+                }
+                drop(shared);
+                tokio::time::sleep(PROBE).await;
+            }
+        });
+    }
+
+    async fn probe(&self) {
+        let mut conn = self.conn.clone();
+        let ping = redis::cmd("PING");
+        let answer = tokio::time::timeout(self.timeout, ping.query_async::<String>(&mut conn));
+        if let Ok(Ok(_)) = answer.await {
+            self.succeeded();
+        }
+    }
+
+    async fn beat(&self) {
+        let leases: Vec<(String, String)> = self
+            .leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(id, set)| (id.clone(), set.clone()))
+            .collect();
+        let mut call = self.heartbeat.prepare_invoke();
+        call.key(format!("{}replicas", self.prefix))
+            .arg(&self.id)
+            .arg(REPLICA_TTL.as_millis() as u64)
+            .arg(LEASE_TTL.as_millis() as u64);
+        for (id, set) in &leases {
+            call.key(set).arg(id);
+        }
+        let mut conn = self.conn.clone();
+        if let Some(alive) = self.call(call.invoke_async::<u32>(&mut conn)).await {
+            self.replicas_seen.store(alive.max(1), Ordering::Relaxed);
+        }
+    }
+
+    /// Runs one Redis call within `timeout`; a failure marks the store down.
+    async fn call<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Option<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => {
+                self.succeeded();
+                Some(value)
+            }
+            Ok(Err(e)) => {
+                self.failed(&e.to_string());
+                None
+            }
+            Err(_) => {
+                self.failed(&format!("no answer within {:?}", self.timeout));
+                None
+            }
+        }
+    }
+
+    fn succeeded(&self) {
+        if !self.up.swap(true, Ordering::Relaxed) {
+            self.up_gauge.set(1);
+            tracing::info!("Redis answers again: shared limits resume");
+        }
+    }
+
+    fn failed(&self, error: &str) {
+        if self.up.swap(false, Ordering::Relaxed) {
+            self.up_gauge.set(0);
+            match self.on_error {
+                OnBackendError::Local => tracing::warn!(
+                    error,
+                    replicas = self.replicas(),
+                    "Redis unreachable: limiting locally at rate / replicas until it answers"
+                ),
+                OnBackendError::Deny => tracing::warn!(
+                    error,
+                    "Redis unreachable: refusing requests until it answers (on_backend_error = \"deny\")"
+                ),
+            }
+        }
+    }
+
+    fn key(&self, group: &str, what: &str) -> String {
+        format!("{}{{{group}}}:{what}", self.prefix)
+    }
+}
+
+/// One of a group's concurrency leases in Redis; given back when dropped.
+pub struct Lease {
+    shared: Arc<Shared>,
+    id: String,
+    set: String,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.shared
+            .leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+        // Give the lease back now rather than let it expire; if Redis is unreachable
+        // it expires within LEASE_TTL anyway.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (shared, id, set) = (self.shared.clone(), self.id.clone(), self.set.clone());
+            runtime.spawn(async move {
+                let mut conn = shared.conn.clone();
+                let mut zrem = redis::cmd("ZREM");
+                zrem.arg(&set).arg(&id);
+                let _ =
+                    tokio::time::timeout(shared.timeout, zrem.query_async::<i64>(&mut conn)).await;
+            });
+        }
+    }
+}
+
+/// A name for this replica that is unique across machines and restarts.
+fn replica_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("{}-{}-{random:x}", host.trim(), std::process::id())
+}
