@@ -75,6 +75,8 @@ struct State {
     factor: f64,
     /// Adaptive mode: when the factor last changed.
     factor_changed: Instant,
+    /// Adaptive mode: when the factor was last halved.
+    halved_at: Option<Instant>,
     /// Requests waiting for the turn, in order; a smaller key goes first.
     waiting: BTreeMap<Key, oneshot::Sender<()>>,
     /// Sequence number of the next request to join the queue.
@@ -157,6 +159,7 @@ impl Group {
                 rates: rates.clone(),
                 factor: 1.0,
                 factor_changed: now,
+                halved_at: None,
                 tats: vec![Duration::ZERO; rates.len()],
                 waiting: BTreeMap::new(),
                 next_seq: 0,
@@ -240,8 +243,16 @@ impl Group {
         self.pause_for(pause);
         if self.settings.adaptive {
             let mut state = self.lock();
-            let factor = (state.factor / 2.0).max(self.min_factor);
-            self.set_factor(&mut state, factor);
+            // One overload episode answers several requests in flight with 429 at once:
+            // halve once for it, not once per refused request.
+            let recently = state
+                .halved_at
+                .is_some_and(|at| at.elapsed() < ADAPTIVE_CALM);
+            if !recently {
+                let factor = (state.factor / 2.0).max(self.min_factor);
+                self.set_factor(&mut state, factor);
+                state.halved_at = Some(Instant::now());
+            }
         }
     }
 
@@ -858,5 +869,28 @@ mod tests {
             order.push(name);
         }
         assert_eq!(order, ["retry", "head"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_halves_once_per_episode_and_climbs_back_when_calm() {
+        let g = group("100/s", |s| s.adaptive = true);
+        let rate = |g: &Group| g.status().effective_rates_per_second[0].round();
+        g.push_back(Duration::ZERO);
+        g.push_back(Duration::ZERO); // same episode: no second halving
+        assert_eq!(rate(&g), 50.0);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        g.push_back(Duration::ZERO);
+        assert_eq!(rate(&g), 25.0);
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = Instant::now();
+            drop(
+                g.admit(1, now, now + Duration::from_secs(5), false)
+                    .await
+                    .unwrap(),
+            );
+        }
+        // Five calm seconds with traffic: +5 % of 100/s each.
+        assert_eq!(rate(&g), 50.0);
     }
 }
