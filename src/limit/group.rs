@@ -373,7 +373,7 @@ impl Group {
                 continue;
             }
             if !booked {
-                let (at, is_booking) = self.pace(cost).await?;
+                let (at, is_booking) = self.pace(cost, now).await?;
                 booked = is_booking;
                 if at > now {
                     tokio::time::sleep_until(at).await;
@@ -411,11 +411,15 @@ impl Group {
 
     /// When the rate lets a request of `cost` leave, and whether that slot is already
     /// booked (in the shared store) or still to be recorded at departure (locally).
-    async fn pace(&self, cost: u32) -> Result<(Instant, bool), Refusal> {
+    ///
+    /// The local answer is computed for the caller's `now`, so that "leave now" comes
+    /// back as exactly `now`, never a hair later (which would send the caller to sleep
+    /// and ask again, forever).
+    async fn pace(&self, cost: u32, now: Instant) -> Result<(Instant, bool), Refusal> {
         if let Some(shared) = &self.shared {
             let rates = self.lock().rates.clone();
             if let Some(booking) = shared.reserve(&self.name, &rates, cost).await {
-                let now = Instant::now();
+                let now = Instant::now(); // after the round trip
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: remember it, so requests that are
                     // already waiting here honour it too.
@@ -428,8 +432,7 @@ impl Group {
             }
         }
         let state = self.lock();
-        let since_epoch = Instant::now() - self.epoch;
-        let depart = gcra::earliest_all(&self.local_rates(&state), &state.tats, since_epoch);
+        let depart = gcra::earliest_all(&self.local_rates(&state), &state.tats, now - self.epoch);
         Ok((self.epoch + depart, false))
     }
 
