@@ -1,0 +1,140 @@
+//! Gateway `[[route]]`s: origin-form requests to tollgate itself, rewritten to the
+//! route's upstream (base path, query string, Host), over plain HTTP and over TLS.
+
+mod support;
+
+use support::*;
+
+#[tokio::test]
+async fn base_path_query_and_longest_prefix() {
+    let api = Upstream::start(|seen| Reply::ok(format!("api {}", seen.path))).await;
+    let v2 = Upstream::start(|seen| Reply::ok(format!("v2 {}", seen.path))).await;
+    let proxy = start_proxy(&format!(
+        "[[route]]\nprefix = \"/api/\"\nupstream = \"{}\"\n\
+         [[route]]\nprefix = \"/api/v2\"\nupstream = \"{}\"\n",
+        api.url("/base/v1/"),
+        v2.url(""),
+    ))
+    .await;
+    let base = proxy.url();
+
+    let out = curl(&[&format!("{base}/api/things/x?a=1&b=%20two&c")], &[]).await;
+    assert_eq!((out.code, out.status), (0, 200), "{}", out.stderr);
+    assert_eq!(out.text(), "api /base/v1/things/x?a=1&b=%20two&c");
+    assert_eq!(out.header("via").as_deref(), Some("1.1 tollgate"));
+    // The bare prefix without its trailing slash is the route's root.
+    let out = curl(&[&format!("{base}/api")], &[]).await;
+    assert_eq!(out.text(), "api /base/v1/");
+    // The longer prefix wins, though the shorter one also matches.
+    let out = curl(&[&format!("{base}/api/v2/y?z=1")], &[]).await;
+    assert_eq!(out.text(), "v2 /y?z=1");
+    // A POST body goes along unchanged.
+    let resp = reqwest_direct()
+        .post(format!("{base}/api/upload"))
+        .body("route body")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    let seen = api.requests();
+    let paths: Vec<_> = seen.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/base/v1/things/x?a=1&b=%20two&c",
+            "/base/v1/",
+            "/base/v1/upload"
+        ]
+    );
+    for s in &seen {
+        // Host names the upstream, not tollgate, or virtual hosting breaks.
+        assert_eq!(s.header("host"), Some(api.authority().as_str()));
+        assert_eq!(s.header("via"), Some("1.1 tollgate"));
+    }
+    assert_eq!(seen[2].method, "POST");
+    assert_eq!(&seen[2].body[..], b"route body");
+    let seen = v2.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].path, "/y?z=1");
+    assert_eq!(seen[0].header("host"), Some(v2.authority().as_str()));
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn https_upstream_trusted_by_ca_file() {
+    let ca = TestCa::new();
+    let upstream = Upstream::start_tls(
+        |seen| Reply::ok(format!("{} {}", seen.path, seen.body.len())).header("x-up", "tls"),
+        &ca,
+    )
+    .await;
+    // By name, so the certificate is checked against `localhost` (SNI and SAN).
+    let proxy = start_proxy(&format!(
+        "[proxy]\nca_file = {:?}\n\
+         [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{}/v3\"\n",
+        ca.ca_pem_path().to_str().unwrap(),
+        upstream.addr().port(),
+    ))
+    .await;
+
+    let get = curl(&[&format!("{}/secure/hello?q=1", proxy.url())], &[]).await;
+    assert_eq!((get.code, get.status), (0, 200), "{}", get.stderr);
+    assert_eq!(get.text(), "/v3/hello?q=1 0");
+    assert_eq!(get.header("x-up").as_deref(), Some("tls"));
+    let script = format!(
+        r#"
+import urllib.request
+req = urllib.request.Request("{}/secure/post", data=b"0123456789", method="POST")
+print(urllib.request.urlopen(req, timeout=20).read().decode())
+"#,
+        proxy.url()
+    );
+    let py = python(&script, &[]).await;
+    assert_eq!(py.stdout, "/v3/post 10\n", "{}", py.stderr);
+
+    let seen = upstream.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        (seen[0].method.as_str(), seen[0].path.as_str()),
+        ("GET", "/v3/hello?q=1")
+    );
+    assert_eq!(
+        (seen[1].method.as_str(), &seen[1].body[..]),
+        ("POST", &b"0123456789"[..])
+    );
+    for s in &seen {
+        // tollgate offered h2 by ALPN and the upstream took it.
+        assert_eq!(s.version, http::Version::HTTP_2);
+        let host = format!("localhost:{}", upstream.addr().port());
+        assert_eq!(s.header("host"), Some(host.as_str()));
+        assert_eq!(s.header("via"), Some("1.1 tollgate"));
+    }
+    // Both requests shared one pooled h2 connection.
+    assert_eq!(upstream.connections(), 1);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn absolute_form_to_tollgate_itself_is_routed_not_looped() {
+    let upstream = Upstream::echo().await;
+    let proxy = start_proxy(&format!(
+        "[[route]]\nprefix = \"/r/\"\nupstream = \"{}\"\n",
+        upstream.url("")
+    ))
+    .await;
+    // A client told to use tollgate as its proxy for a URL on tollgate itself.
+    let out = curl(
+        &["-x", &proxy.url(), &format!("{}/r/self?x", proxy.url())],
+        &[],
+    )
+    .await;
+    assert_eq!((out.code, out.status), (0, 200), "{}", out.stderr);
+    let seen = upstream.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].path, "/self?x");
+    assert_eq!(seen[0].header("host"), Some(upstream.authority().as_str()));
+    // Exactly one hop: it did not go through tollgate twice.
+    assert_eq!(seen[0].headers.get_all("via").iter().count(), 1);
+    proxy.shutdown().await;
+}

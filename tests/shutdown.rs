@@ -1,0 +1,311 @@
+//! Shutdown: new connections are refused at once, requests and tunnels already in
+//! flight finish, and the `tollgate` binary checks configs and stops on SIGTERM.
+
+mod support;
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Waits until connecting to `addr` is refused. Connections that still succeed or are
+/// reset (the listener may not be closed yet) are dropped and retried.
+async fn wait_until_refused(addr: std::net::SocketAddr) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        match TcpStream::connect(addr).await {
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => return,
+            Err(e) if e.kind() != ErrorKind::ConnectionReset => {
+                panic!("unexpected connect error: {e}")
+            }
+            // Reset: it reached the backlog of a listener that was closing.
+            Err(_) | Ok(_) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "{addr} still accepts connections"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Waits until `upstream` is handling `n` requests.
+async fn wait_in_flight(upstream: &Upstream, n: usize) {
+    let deadline = Instant::now() + BOUND;
+    while upstream.in_flight() < n {
+        assert!(
+            Instant::now() < deadline,
+            "upstream never had {n} in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_request_completes_and_new_connections_are_refused() {
+    let upstream =
+        Upstream::start(|_| Reply::ok("worth the wait").delay(Duration::from_secs(1))).await;
+    let mut proxy = start_proxy("").await;
+    let (proxy_url, url) = (proxy.url(), upstream.url("/slow"));
+    let client = tokio::spawn(async move { curl(&["-x", &proxy_url, &url], &[]).await });
+    wait_in_flight(&upstream, 1).await;
+
+    proxy.begin_shutdown();
+    wait_until_refused(proxy.addr).await;
+    let out = client.await.unwrap();
+    assert_eq!((out.code, out.status), (0, 200), "{}", out.stderr);
+    assert_eq!(out.text(), "worth the wait");
+    assert_eq!(upstream.requests().len(), 1);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_body_in_progress_is_finished() {
+    let upstream = Upstream::start_bulk().await;
+    let mut proxy = start_proxy("").await;
+    let len = 4 * 1024 * 1024u64;
+    let half = len / 2;
+    let client = reqwest_via(&proxy, None);
+    let mut resp = client
+        .get(upstream.url(&format!("/bytes/{len}?hold={half}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut hasher = Hasher::default();
+    let mut got = 0;
+    while got < half {
+        let chunk = resp.chunk().await.unwrap().expect("first half");
+        got += chunk.len() as u64;
+        hasher.update(&chunk);
+    }
+
+    // Half the body is out and the upstream holds the rest back: shut down now.
+    proxy.begin_shutdown();
+    wait_until_refused(proxy.addr).await;
+    assert!(
+        !proxy.is_finished(),
+        "run returned with a response still streaming"
+    );
+    upstream.release();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        hasher.update(&chunk);
+    }
+    assert_eq!(hasher.finish(), pattern_digest(len));
+    drop(client);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_tunnel_is_drained_before_run_returns() {
+    let ca = TestCa::new();
+    let upstream = Upstream::start_tls(
+        |seen| Reply::ok(seen.body.clone()).delay(Duration::from_secs(1)),
+        &ca,
+    )
+    .await;
+    // A grace far beyond the test's bound: run() may only return because the tunnel closed.
+    let mut proxy =
+        start_proxy("[proxy]\nconnect_ports = [\"*\"]\nshutdown_grace = \"1h\"\n").await;
+    let (proxy_url, url) = (proxy.url(), upstream.url("/tunnelled"));
+    let cacert = ca.ca_pem_path();
+    let client = tokio::spawn(async move {
+        let cacert = cacert.to_str().unwrap();
+        let args = ["--cacert", cacert, "--data-binary", "through", &url];
+        curl(&args, &[("https_proxy", &proxy_url)]).await
+    });
+    wait_in_flight(&upstream, 1).await;
+
+    proxy.begin_shutdown();
+    wait_until_refused(proxy.addr).await;
+    let out = client.await.unwrap();
+    assert_eq!((out.code, out.status), (0, 200), "{}", out.stderr);
+    assert_eq!(out.text(), "through");
+    assert_eq!(&upstream.requests()[0].body[..], b"through");
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_client_does_not_hold_up_shutdown() {
+    let upstream = Upstream::echo().await;
+    let proxy = start_proxy("[proxy]\nshutdown_grace = \"1h\"\n").await;
+    let client = reqwest_via(&proxy, None);
+    let resp = client.get(upstream.url("/once")).send().await.unwrap();
+    assert_eq!(resp.text().await.unwrap(), "");
+    // The client keeps its idle connection to the proxy open; shutdown closes it instead
+    // of waiting an hour (support::Proxy::shutdown panics past its bound).
+    proxy.shutdown().await;
+    assert_eq!(upstream.requests().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "bug: after shutdown_grace, server::serve returns but leaves open tunnels running"]
+async fn tunnels_still_open_after_the_grace_period_are_closed() {
+    let upstream = Upstream::echo().await;
+    let proxy = start_proxy("[proxy]\nconnect_ports = [\"*\"]\nshutdown_grace = \"500ms\"\n").await;
+    let target = upstream.authority();
+    let mut tunnel = TcpStream::connect(proxy.addr).await.unwrap();
+    let connect = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    tunnel.write_all(connect.as_bytes()).await.unwrap();
+    let mut head = [0u8; 12];
+    tunnel.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    // Read the rest of the CONNECT answer's head.
+    let mut rest = Vec::new();
+    while !rest.ends_with(b"\r\n\r\n") {
+        rest.push(tunnel.read_u8().await.unwrap());
+    }
+
+    // The tunnel stays idle past the grace period; run() gives up waiting for it...
+    proxy.shutdown().await;
+    // ...and the tunnel must be gone with it, as the "closing what is still open" log
+    // line says: writing to it finds a closed connection, not the upstream.
+    let request = format!("GET /after HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n");
+    let _ = tunnel.write_all(request.as_bytes()).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(BOUND, tunnel.read_to_end(&mut answer)).await;
+    assert!(
+        upstream.requests().is_empty(),
+        "a request went through the tunnel after run() returned: {}",
+        String::from_utf8_lossy(&answer)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "bug: after shutdown_grace, server::serve returns but leaves client connections running"]
+async fn requests_still_in_flight_after_the_grace_period_are_cut() {
+    let upstream = Upstream::start(|_| Reply::ok("too late").delay(Duration::from_secs(3))).await;
+    let proxy = start_proxy("[proxy]\nshutdown_grace = \"500ms\"\n").await;
+    let client = reqwest_via(&proxy, None);
+    let url = upstream.url("/slow");
+    let request = tokio::spawn(async move { client.get(url).send().await });
+    wait_in_flight(&upstream, 1).await;
+    // The request outlives the grace period; run() gives up on it and returns...
+    proxy.shutdown().await;
+    // ...and the client must see its connection cut, not the answer arriving later.
+    let outcome = request.await.unwrap();
+    assert!(
+        outcome.is_err(),
+        "the request was still served after run() returned: {outcome:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// The binary
+// ---------------------------------------------------------------------------------
+
+/// The `tollgate` binary with a clean environment (no proxy or TOLLGATE_* variables).
+fn tollgate() -> tokio::process::Command {
+    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "warn")]);
+    cmd.env_remove("TOLLGATE_CONFIG")
+        .env_remove("TOLLGATE_LISTEN");
+    cmd
+}
+
+#[tokio::test]
+async fn check_config_reports_file_line_column_and_exits_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write_file(
+        dir.path(),
+        "bad.toml",
+        "[proxy]\nconnect_ports = [443]\n  conect_timeout = \"1s\"\n",
+    );
+    let out = tokio::time::timeout(BOUND, tollgate().arg("check-config").arg(&bad).output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{}:3:3:", bad.display())),
+        "{stderr}"
+    );
+    assert!(stderr.contains("conect_timeout"), "{stderr}");
+
+    let good = write_file(
+        dir.path(),
+        "good.toml",
+        "[proxy]\nconnect_timeout = \"1s\"\n",
+    );
+    let out = tokio::time::timeout(BOUND, tollgate().arg("check-config").arg(&good).output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{}: ok\n", good.display())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_serves_and_exits_0_on_sigterm() {
+    let upstream = Upstream::echo().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_file(
+        dir.path(),
+        "tollgate.toml",
+        "[proxy]\nshutdown_grace = \"5s\"\n",
+    );
+    // The binary cannot report a port it chose, so pick one that was free a moment ago.
+    let listen = closed_addr();
+    let mut child = tollgate()
+        .arg("--config")
+        .arg(&config)
+        .arg("--listen")
+        .arg(listen.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tollgate runs");
+    let pid = child.id().expect("running").to_string();
+
+    let deadline = Instant::now() + BOUND;
+    while TcpStream::connect(listen).await.is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
+        assert!(
+            Instant::now() < deadline,
+            "tollgate never listened on {listen}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = curl(
+        &[
+            "-x",
+            &format!("http://{listen}"),
+            "--data-binary",
+            "via binary",
+            &upstream.url("/bin"),
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!((out.code, out.status), (0, 200), "{}", out.stderr);
+    assert_eq!(out.text(), "via binary");
+    assert_eq!(upstream.requests()[0].header("via"), Some("1.1 tollgate"));
+
+    // Only the process started above is signalled.
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = tokio::time::timeout(BOUND, child.wait_with_output())
+        .await
+        .expect("tollgate exits after SIGTERM")
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
