@@ -155,3 +155,57 @@ impl Limits {
             .len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        let config = Config::parse(
+            "[[limit]]\nname = \"gh\"\nhosts = [\"api.github.com\", \"*.ghusercontent.com\"]\n",
+            "t",
+        )
+        .unwrap();
+        Limits::new(&config, Arc::new(Metrics::new()), None)
+    }
+
+    #[test]
+    fn hosts_find_their_group() {
+        let l = limits();
+        assert_eq!(&*l.group_for("api.github.com", None).name, "gh");
+        assert_eq!(&*l.group_for("raw.ghusercontent.com", None).name, "gh");
+        assert_eq!(&*l.group_for("a.b.ghusercontent.com", None).name, "gh");
+        assert_eq!(
+            &*l.group_for("ghusercontent.com", None).name,
+            "ghusercontent.com"
+        );
+        assert_eq!(&*l.group_for("example.com", Some("gh")).name, "gh");
+        let a = l.group_for("example.com", None);
+        assert!(
+            Arc::ptr_eq(&a, &l.group_for("example.com", None)),
+            "one group per host"
+        );
+    }
+
+    #[test]
+    fn idle_groups_of_unlisted_hosts_are_evicted() {
+        let l = limits();
+        let kept = l.group_for("busy.example", None);
+        for i in 0..20_000 {
+            l.group_for(&format!("host-{i}.example"), None);
+        }
+        // Sweeps keep the map within twice what is in use (here: one group).
+        assert!(
+            l.dynamic_groups() <= 2 * FIRST_SWEEP,
+            "{}",
+            l.dynamic_groups()
+        );
+        assert!(
+            Arc::ptr_eq(&kept, &l.group_for("busy.example", None)),
+            "a group in use stays"
+        );
+        // Their metric series went with them.
+        let text = l.metrics.encode();
+        assert!(text.matches("tollgate_queue_depth{").count() <= 2 * FIRST_SWEEP + 1);
+    }
+}
