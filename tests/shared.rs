@@ -1,0 +1,395 @@
+//! Several tollgate instances sharing limits through a real `redis-server` (started
+//! here on a free port, never 6379, and stopped by PID). Assertions are about what the
+//! upstream saw: spacing and counts across all instances.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::*;
+
+fn sorted_arrivals(upstream: &Upstream) -> Vec<Instant> {
+    let mut at: Vec<Instant> = upstream.requests().iter().map(|s| s.at).collect();
+    at.sort();
+    at
+}
+
+/// For every pair of arrivals, no closer than the rate allows (minus `slack`).
+fn assert_paced(arrivals: &[Instant], interval: Duration, slack: Duration) {
+    for i in 0..arrivals.len() {
+        for j in i + 1..arrivals.len() {
+            let gap = arrivals[j] - arrivals[i];
+            let floor = interval * (j - i) as u32;
+            assert!(
+                gap + slack >= floor,
+                "arrivals {i} and {j} are {gap:?} apart; the shared rate allows no less than {floor:?}"
+            );
+        }
+    }
+}
+
+fn config(redis: &RedisServer, extra: &str) -> String {
+    format!(
+        r#"
+        [backend]
+        kind = "redis"
+        url = "{}"
+        timeout = "50ms"
+        {extra}
+        "#,
+        redis.url()
+    )
+}
+
+/// Sends `per_instance` requests through each proxy at once; returns their statuses.
+async fn load(proxies: &[&Proxy], upstream: &Upstream, per_instance: usize) -> Vec<u16> {
+    let calls = proxies.iter().flat_map(|proxy| {
+        let client = reqwest_via(proxy, None);
+        (0..per_instance).map(move |i| {
+            let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
+            async move { client.get(url).send().await.unwrap().status().as_u16() }
+        })
+    });
+    futures_util::future::join_all(calls).await
+}
+
+async fn shared_rate(instances: usize) {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let limit = r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        rate = "20/s"
+    "#;
+    let mut proxies = Vec::new();
+    for _ in 0..instances {
+        proxies.push(start_proxy(&config(&redis, limit)).await);
+    }
+    let refs: Vec<&Proxy> = proxies.iter().collect();
+    let statuses = load(&refs, &upstream, 60 / instances).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+
+    let at = sorted_arrivals(&upstream);
+    assert_eq!(at.len(), 60);
+    // At most 20/s in total across the instances (slack for delivery jitter)...
+    assert_paced(&at, Duration::from_millis(50), Duration::from_millis(20));
+    // ...and at least 95 % of it: 59 intervals of 50 ms take no more than 3.1 s.
+    let span = at[59] - at[0];
+    assert!(
+        span <= Duration::from_millis(3105),
+        "60 requests took {span:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_one_rate() {
+    shared_rate(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_share_one_rate() {
+    shared_rate(3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_seen_by_one_instance_pauses_the_others() {
+    let redis = RedisServer::start().await;
+    let count = Arc::new(AtomicUsize::new(0));
+    let upstream = Upstream::start(move |_| {
+        if count.fetch_add(1, Ordering::SeqCst) == 0 {
+            Reply::status(429).header("retry-after", "2")
+        } else {
+            Reply::ok("ok")
+        }
+    })
+    .await;
+    let limit = r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+    "#;
+    let a = start_proxy(&config(&redis, limit)).await;
+    let b = start_proxy(&config(&redis, limit)).await;
+    let refused = {
+        let (client, url) = (reqwest_via(&a, None), upstream.url("/via-a"));
+        tokio::spawn(async move { client.get(url).send().await.unwrap().status() })
+    };
+    upstream.wait_for_requests(1).await;
+    // Give the pause a moment to reach Redis, then ask through the other instance.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let resp = reqwest_via(&b, None)
+        .get(upstream.url("/via-b"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(refused.await.unwrap(), 200);
+    let seen = upstream.requests();
+    let refused_at = seen[0].at;
+    let via_b = seen.iter().find(|s| s.path == "/via-b").unwrap();
+    assert!(
+        via_b.at - refused_at >= Duration::from_millis(1995),
+        "instance b sent {:?} after a's 429 asked for 2 s",
+        via_b.at - refused_at
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_concurrency_holds_across_instances() {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(|_| Reply::ok("slow").delay(Duration::from_millis(150))).await;
+    let limit = r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        concurrency = 2
+        shared_concurrency = true
+    "#;
+    let a = start_proxy(&config(&redis, limit)).await;
+    let b = start_proxy(&config(&redis, limit)).await;
+    let statuses = load(&[&a, &b], &upstream, 6).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert_eq!(upstream.requests().len(), 12);
+    assert_eq!(
+        upstream.max_in_flight(),
+        2,
+        "more than 2 in flight across the instances"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_falls_back_to_a_local_share_and_comes_back() {
+    let mut redis = RedisServer::start().await;
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let settings = r#"
+        replicas = 2
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        rate = "10/s"
+    "#;
+    let proxy = start_proxy_with_admin(&config(&redis, settings)).await;
+    let client = reqwest_via(&proxy, None);
+
+    redis.kill();
+    let statuses = load(&[&proxy], &upstream, 6).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    // Alone without Redis, this replica takes its share: 10/s over 2 replicas.
+    assert_paced(
+        &sorted_arrivals(&upstream),
+        Duration::from_millis(200),
+        Duration::from_millis(10),
+    );
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(metrics.contains("tollgate_backend_up 0"), "{metrics}");
+
+    redis.restart().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !admin_get(&proxy, "/metrics")
+        .await
+        .contains("tollgate_backend_up 1")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "tollgate did not notice Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = upstream.requests().len();
+    for i in 0..3 {
+        let resp = client
+            .get(upstream.url(&format!("/again/{i}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(upstream.requests().len(), before + 3);
+    assert!(
+        redis.keys().await.iter().any(|k| k.contains("{api}:rate")),
+        "shared state is back in Redis"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_never_holds_a_request_past_the_timeout() {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let settings = r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        rate = "100/s"
+    "#;
+    let proxy = start_proxy(&config(&redis, settings)).await;
+    let client = reqwest_via(&proxy, None);
+    assert_eq!(
+        client
+            .get(upstream.url("/warm"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    redis.freeze();
+    for i in 0..5 {
+        let started = Instant::now();
+        let resp = client
+            .get(upstream.url(&format!("/{i}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        // The 50 ms timeout, the 10 ms pace and the exchange: far below a second,
+        // where a request stuck on Redis would never be answered at all.
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    redis.thaw();
+    assert_eq!(upstream.requests().len(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_mode_refuses_while_redis_is_down() {
+    let mut redis = RedisServer::start().await;
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let settings = r#"
+        on_backend_error = "deny"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        rate = "10/s"
+    "#;
+    let proxy = start_proxy(&config(&redis, settings)).await;
+    let client = reqwest_via(&proxy, None);
+    assert_eq!(
+        client
+            .get(upstream.url("/ok"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    redis.kill();
+    let resp = client.get(upstream.url("/refused")).send().await.unwrap();
+    assert_eq!(resp.status(), 503);
+    let ps = resp.headers()["proxy-status"].to_str().unwrap().to_string();
+    assert!(
+        ps.starts_with("tollgate; error=proxy_internal_error"),
+        "{ps}"
+    );
+    assert!(resp.text().await.unwrap().contains("Redis"));
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/ok"]);
+}
+
+/// A real `redis-server` on a free loopback port (never 6379), stopped by PID when
+/// dropped. `scripts/test` installs it where missing.
+struct RedisServer {
+    port: u16,
+    child: Option<std::process::Child>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    async fn start() -> RedisServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut server = RedisServer {
+            port,
+            child: None,
+            dir: tempfile::tempdir().expect("a temporary directory"),
+        };
+        server.restart().await;
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Starts (again) on the same port and waits until it answers PING.
+    async fn restart(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server runs (scripts/test installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(client) = redis::Client::open(self.url()) {
+                if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                    if redis::cmd("PING")
+                        .query_async::<String>(&mut conn)
+                        .await
+                        .is_ok()
+                    {
+                        return;
+                    }
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops it for good (SIGKILL, like a crash).
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        if let Some(child) = &self.child {
+            let status = std::process::Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status()
+                .expect("kill runs");
+            assert!(status.success());
+        }
+    }
+
+    /// Freezes it (SIGSTOP): connections stay open, nothing is answered.
+    fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a frozen server go on (SIGCONT).
+    fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    async fn keys(&self) -> Vec<String> {
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("KEYS")
+            .arg("*")
+            .query_async(&mut conn)
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.thaw();
+        self.kill();
+    }
+}

@@ -1,0 +1,446 @@
+//! Throttling end to end: real upstreams record when requests arrive; the assertions are
+//! about order, spacing and counts seen there, never about how long the test took.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// No two arrivals closer than the rate allows: for every pair i < j the upstream saw
+/// them at least (j − i)·interval apart, minus `slack` for delivery noise. tollgate
+/// dispatches on exact slots, but a request can reach the upstream late (a new
+/// connection, a busy machine), making its gap to the next one look short; a request
+/// that left early would show up as a gap near zero.
+fn assert_paced(arrivals: &[Instant], interval: Duration, slack: Duration) {
+    for i in 0..arrivals.len() {
+        for j in i + 1..arrivals.len() {
+            let gap = arrivals[j] - arrivals[i];
+            let floor = interval * (j - i) as u32;
+            assert!(
+                gap + slack >= floor,
+                "arrivals {i} and {j} are {gap:?} apart; the rate allows no less than {floor:?}"
+            );
+        }
+    }
+}
+
+fn arrivals(upstream: &Upstream) -> Vec<Instant> {
+    let mut at: Vec<Instant> = upstream.requests().iter().map(|s| s.at).collect();
+    at.sort();
+    at
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_concurrent_requests_leave_at_the_pace() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy(
+        r#"
+        [[limit]]
+        name = "paced"
+        hosts = ["127.0.0.1"]
+        rate = "20/s"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    let calls = (0..100).map(|i| {
+        let client = client.clone();
+        let url = upstream.url(&format!("/item/{i}"));
+        async move { client.get(url).send().await.unwrap().status().as_u16() }
+    });
+    let statuses = futures_util::future::join_all(calls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+
+    let at = arrivals(&upstream);
+    assert_eq!(at.len(), 100, "every request reached the upstream once");
+    assert_paced(&at, Duration::from_millis(50), Duration::from_millis(20));
+    // 99 intervals of 50 ms: at least 4.95 s by construction; well under 8 s unless the
+    // queue stalls somewhere.
+    let span = at[99] - at[0];
+    assert!(span < Duration::from_secs(8), "100 requests took {span:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_of_one_group_share_its_budget() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy(
+        r#"
+        [[limit]]
+        name = "shared"
+        hosts = ["127.0.0.1", "localhost"]
+        rate = "10/s"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    let port = upstream.addr().port();
+    let calls = (0..20).map(|i| {
+        let client = client.clone();
+        let host = if i % 2 == 0 { "127.0.0.1" } else { "localhost" };
+        let url = format!("http://{host}:{port}/{i}");
+        async move { client.get(url).send().await.unwrap().status().as_u16() }
+    });
+    let statuses = futures_util::future::join_all(calls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+
+    let seen = upstream.requests();
+    let hosts: std::collections::HashSet<_> = seen
+        .iter()
+        .map(|s| s.header("host").unwrap().to_string())
+        .collect();
+    assert_eq!(hosts.len(), 2, "both host names were used: {hosts:?}");
+    assert_paced(
+        &arrivals(&upstream),
+        Duration::from_millis(100),
+        Duration::from_millis(20),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_group_is_not_slowed_by_a_busy_one() {
+    let slow = Upstream::start(|_| Reply::ok("slow")).await;
+    let fast = Upstream::start_at([127, 0, 0, 2].into(), |_| Reply::ok("fast")).await;
+    let proxy = start_proxy(
+        r#"
+        [[limit]]
+        name = "slow"
+        hosts = ["127.0.0.1"]
+        rate = "2/s"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    // Six requests queue in the slow group: they need 2.5 s to drain.
+    let queued: Vec<_> = (0..6)
+        .map(|i| {
+            let (client, url) = (client.clone(), slow.url(&format!("/{i}")));
+            tokio::spawn(async move { client.get(url).send().await.unwrap().status() })
+        })
+        .collect();
+    slow.wait_for_requests(1).await;
+    // Ten requests to a host of another group meanwhile.
+    for i in 0..10 {
+        let resp = client.get(fast.url(&format!("/{i}"))).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    let fast_done = Instant::now();
+    for q in queued {
+        assert_eq!(q.await.unwrap(), 200);
+    }
+    // All ten fast requests were answered while the slow group still had most of its
+    // queue waiting.
+    let slow_after = slow.requests().iter().filter(|s| s.at > fast_done).count();
+    assert!(
+        slow_after >= 3,
+        "only {slow_after} slow requests were still queued"
+    );
+    assert_eq!(fast.requests().len(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_never_exceeds_the_limit() {
+    let upstream = Upstream::start(|_| Reply::ok("slow").delay(Duration::from_millis(150))).await;
+    let proxy = start_proxy(
+        r#"
+        [[limit]]
+        name = "two-at-a-time"
+        hosts = ["127.0.0.1"]
+        concurrency = 2
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    let calls = (0..10).map(|i| {
+        let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
+        async move { client.get(url).send().await.unwrap().text().await.unwrap() }
+    });
+    let bodies = futures_util::future::join_all(calls).await;
+    assert!(bodies.iter().all(|b| b == "slow"));
+    assert_eq!(upstream.requests().len(), 10);
+    assert_eq!(
+        upstream.max_in_flight(),
+        2,
+        "the upstream saw more than 2 at once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_503_with_retry_after() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy(
+        r#"
+        [[limit]]
+        name = "tiny"
+        hosts = ["127.0.0.1"]
+        rate = "1/s"
+        queue = 2
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    let calls = (0..5).map(|i| {
+        let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
+        async move {
+            let resp = client.get(url).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string());
+            let proxy_status = resp
+                .headers()
+                .get("proxy-status")
+                .map(|v| v.to_str().unwrap().to_string());
+            let body = resp.text().await.unwrap();
+            (status, retry_after, proxy_status, body)
+        }
+    });
+    let results = futures_util::future::join_all(calls).await;
+    let ok = results.iter().filter(|r| r.0 == 200).count();
+    let refused: Vec<_> = results.iter().filter(|r| r.0 == 503).collect();
+    assert_eq!(ok + refused.len(), 5, "{results:?}");
+    assert!(
+        !refused.is_empty(),
+        "a queue of 2 cannot hold 5 requests: {results:?}"
+    );
+    for (_, retry_after, proxy_status, body) in refused {
+        let secs: u64 = retry_after.as_ref().expect("Retry-After").parse().unwrap();
+        assert!((1..=5).contains(&secs), "Retry-After {secs}");
+        let ps = proxy_status.as_ref().expect("Proxy-Status");
+        assert!(
+            ps.starts_with("tollgate; error=http_request_denied"),
+            "{ps}"
+        );
+        assert!(
+            body.contains("queue full") && body.contains("tiny"),
+            "{body}"
+        );
+    }
+    // Exactly the answered requests reached the upstream.
+    assert_eq!(upstream.requests().len(), ok);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_wait_answers_503_and_the_request_is_never_sent() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy(
+        r#"
+        [[limit]]
+        name = "patient"
+        hosts = ["127.0.0.1"]
+        rate = "1/m"
+        max_wait = "300ms"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    let first = client.get(upstream.url("/first")).send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let second = client.get(upstream.url("/second")).send().await.unwrap();
+    assert_eq!(second.status(), 503);
+    let retry_after: u64 = second.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (50..=60).contains(&retry_after),
+        "the next slot is ~1 min away: {retry_after}"
+    );
+    let body = second.text().await.unwrap();
+    assert!(
+        body.contains("max_wait") && body.contains("patient"),
+        "{body}"
+    );
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/first"]);
+}
+
+/// Sends one request on a raw connection and closes it without reading the answer.
+async fn send_and_leave(proxy: &Proxy, request: String) {
+    use tokio::io::AsyncWriteExt;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(request.as_bytes()).await.unwrap();
+    conn.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(conn);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_left_is_never_sent() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "one-per-2s"
+        hosts = ["127.0.0.1"]
+        rate = "1/2s"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    assert_eq!(
+        client
+            .get(upstream.url("/first"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    // Two clients queue and leave: one without a body, one with a small body.
+    let authority = upstream.authority();
+    send_and_leave(
+        &proxy,
+        format!("GET http://{authority}/gone-get HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+    )
+    .await;
+    send_and_leave(
+        &proxy,
+        format!(
+            "POST http://{authority}/gone-post HTTP/1.1\r\nHost: {authority}\r\nContent-Length: 5\r\n\r\nhello"
+        ),
+    )
+    .await;
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains(r#"tollgate_requests_total{group="one-per-2s",outcome="cancelled"} 2"#),
+        "{metrics}"
+    );
+    // A request that stays takes the next slot; the abandoned ones never went out.
+    assert_eq!(
+        client
+            .get(upstream.url("/stayed"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/first", "/stayed"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnels_are_paced_and_hold_a_permit_while_open() {
+    let ca = TestCa::new();
+    let upstream = Upstream::start_tls(|_| Reply::ok("secret"), &ca).await;
+    let proxy = start_proxy(
+        r#"
+        [proxy]
+        connect_ports = ["*"]
+        [[limit]]
+        name = "tunnels"
+        hosts = ["127.0.0.1"]
+        rate = "5/s"
+        "#,
+    )
+    .await;
+    let cacert = ca.ca_pem_path();
+    let url = upstream.url("/x");
+    let runs = (0..6).map(|_| {
+        let (cacert, url, proxy_url) = (cacert.clone(), url.clone(), proxy.url());
+        async move {
+            curl(
+                &["--cacert", cacert.to_str().unwrap(), &url],
+                &[("https_proxy", &proxy_url)],
+            )
+            .await
+        }
+    });
+    for out in futures_util::future::join_all(runs).await {
+        assert_eq!(out.status, 200, "{}", out.text());
+        assert_eq!(out.text(), "secret");
+    }
+    // Each curl opened its own tunnel (one TLS connection each), paced at 5/s: the
+    // tunnel openings are what is limited, so measure when the upstream accepted them
+    // (the request heads come after each client's TLS handshake).
+    assert_eq!(upstream.connections(), 6);
+    let mut accepted = upstream.accepted_at();
+    accepted.sort();
+    assert_paced(
+        &accepted,
+        Duration::from_millis(200),
+        Duration::from_millis(20),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_tunnel_holds_its_concurrency_permit() {
+    // A plain HTTP server behind the tunnel: it closes its side when the client does.
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [proxy]
+        connect_ports = ["*"]
+        [[limit]]
+        name = "one-tunnel"
+        hosts = ["127.0.0.1"]
+        concurrency = 1
+        max_wait = "300ms"
+        "#,
+    )
+    .await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let target = upstream.addr();
+    let connect = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    let mut first = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    first.write_all(connect.as_bytes()).await.unwrap();
+    let mut head = [0u8; 12];
+    first.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    // While the first tunnel is open, a second waits for the permit and gives up.
+    let mut second = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    second.write_all(connect.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 12];
+    second.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 503");
+    let status = admin_get(&proxy, "/status").await;
+    assert!(status.contains(r#""in_flight": 1"#), "{status}");
+    // Closing the first tunnel returns the permit.
+    drop(first);
+    let mut third = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    third.write_all(connect.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 12];
+    third.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    assert_eq!(
+        upstream.connections(),
+        2,
+        "the refused tunnel never dialled"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_happened() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "counted"
+        hosts = ["127.0.0.1"]
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    for i in 0..3 {
+        client
+            .get(upstream.url(&format!("/{i}")))
+            .send()
+            .await
+            .unwrap();
+    }
+    let metrics = admin_get(&proxy, "/metrics").await;
+    for line in [
+        r#"tollgate_requests_total{group="counted",outcome="admitted"} 3"#,
+        r#"tollgate_queue_depth{group="counted"} 0"#,
+        r#"tollgate_in_flight{group="counted"} 0"#,
+        r#"tollgate_queue_wait_seconds_count{group="counted"} 3"#,
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
+    assert_eq!(admin_get(&proxy, "/healthz").await, "ok\n");
+    assert_eq!(upstream.requests().len(), 3);
+}
