@@ -23,6 +23,7 @@ use std::task::{Context, Poll};
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceBuilder};
@@ -50,6 +51,8 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     stack: Stack,
     tunnels: TaskTracker,
+    /// Cancelled when shutdown's grace is over: open tunnels close.
+    cut: CancellationToken,
 }
 
 impl Proxy {
@@ -77,10 +80,12 @@ impl Proxy {
         };
         let limits = Arc::new(Limits::new(config, metrics.clone(), shared.clone()));
         let tunnels = TaskTracker::new();
+        let cut = CancellationToken::new();
         let dispatch = Dispatch {
             upstream,
             dialer,
             tunnels: tunnels.clone(),
+            cut: cut.clone(),
         };
         let stack = ServiceBuilder::new()
             .layer(PushbackLayer)
@@ -93,6 +98,7 @@ impl Proxy {
             metrics,
             stack: BoxCloneSyncService::new(stack),
             tunnels,
+            cut,
         })
     }
 
@@ -146,6 +152,11 @@ impl Proxy {
     pub fn tunnels(&self) -> &TaskTracker {
         &self.tunnels
     }
+
+    /// Closes every open tunnel now (shutdown, once the grace is over).
+    pub fn cut_tunnels(&self) {
+        self.cut.cancel();
+    }
 }
 
 /// The leaf of the stack: CONNECT opens a tunnel, everything else goes upstream.
@@ -154,6 +165,7 @@ struct Dispatch {
     upstream: Upstream,
     dialer: Dialer,
     tunnels: TaskTracker,
+    cut: CancellationToken,
 }
 
 impl Service<Request<Body>> for Dispatch {
@@ -178,7 +190,7 @@ impl Service<Request<Body>> for Dispatch {
                     .extensions()
                     .get::<TunnelPermit>()
                     .and_then(|p| p.take());
-                tunnel::open(&this.dialer, &this.tunnels, &target, req, permit).await
+                tunnel::open(&this.dialer, &this.tunnels, &this.cut, &target, req, permit).await
             } else {
                 this.upstream.send(req).await
             }

@@ -71,6 +71,8 @@ pub async fn serve(
         .keep_alive_interval(Duration::from_secs(20));
 
     let graceful = GracefulShutdown::new();
+    // Cancelled when the grace is over: every client connection still open is closed.
+    let cut = CancellationToken::new();
     tokio::pin!(shutdown);
     loop {
         let (stream, remote) = tokio::select! {
@@ -98,9 +100,13 @@ pub async fn serve(
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
             .into_owned();
         let conn = graceful.watch(conn);
+        let cut = cut.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%remote, error = %e, "client connection ended with an error");
+            tokio::select! {
+                ended = conn => if let Err(e) = ended {
+                    tracing::debug!(%remote, error = %e, "client connection ended with an error");
+                },
+                _ = cut.cancelled() => tracing::debug!(%remote, "connection cut at shutdown"),
             }
         });
     }
@@ -119,5 +125,9 @@ pub async fn serve(
             tunnels = proxy.tunnels().len(),
             "shutdown_grace elapsed; closing what is still open"
         );
+        cut.cancel();
+        proxy.cut_tunnels();
+        // The cut tasks end at their next poll; let them, so nothing outlives `run`.
+        let _ = tokio::time::timeout(Duration::from_secs(1), proxy.tunnels().wait()).await;
     }
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use http::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
@@ -19,10 +20,12 @@ use crate::error::ProxyError;
 use crate::upstream::Dialer;
 
 /// Dials the target, answers `200`, and spawns the copy loop on `tunnels`. `hold` is
-/// kept alive until the tunnel closes (the throttle layer's concurrency permit).
+/// kept alive until the tunnel closes (the throttle layer's concurrency permit); `cut`
+/// closes the tunnel at once (shutdown after `shutdown_grace`).
 pub async fn open<H: Send + 'static>(
     dialer: &Dialer,
     tunnels: &TaskTracker,
+    cut: &CancellationToken,
     target: &Target,
     mut req: Request<Body>,
     hold: H,
@@ -30,12 +33,17 @@ pub async fn open<H: Send + 'static>(
     let mut upstream = dialer.dial(&target.host, target.port).await?;
     let on_upgrade = hyper::upgrade::on(&mut req);
     let authority = format!("{}:{}", target.host, target.port);
+    let cut = cut.clone();
     tunnels.spawn(async move {
         let _hold = hold;
         match on_upgrade.await {
             Ok(upgraded) => {
-                let (up, down) = relay(TokioIo::new(upgraded), &mut upstream).await;
-                tracing::debug!(%authority, up, down, "tunnel closed");
+                tokio::select! {
+                    (up, down) = relay(TokioIo::new(upgraded), &mut upstream) => {
+                        tracing::debug!(%authority, up, down, "tunnel closed");
+                    }
+                    _ = cut.cancelled() => tracing::debug!(%authority, "tunnel cut at shutdown"),
+                }
             }
             Err(e) => {
                 tracing::debug!(%authority, error = %e, "client left before the tunnel opened")

@@ -142,7 +142,6 @@ async fn idle_keep_alive_client_does_not_hold_up_shutdown() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: after shutdown_grace, server::serve returns but leaves open tunnels running"]
 async fn tunnels_still_open_after_the_grace_period_are_closed() {
     let upstream = Upstream::echo().await;
     let proxy = start_proxy("[proxy]\nconnect_ports = [\"*\"]\nshutdown_grace = \"500ms\"\n").await;
@@ -175,7 +174,6 @@ async fn tunnels_still_open_after_the_grace_period_are_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: after shutdown_grace, server::serve returns but leaves client connections running"]
 async fn requests_still_in_flight_after_the_grace_period_are_cut() {
     let upstream = Upstream::start(|_| Reply::ok("too late").delay(Duration::from_secs(3))).await;
     let proxy = start_proxy("[proxy]\nshutdown_grace = \"500ms\"\n").await;
