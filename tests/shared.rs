@@ -181,7 +181,7 @@ async fn redis_down_falls_back_to_a_local_share_and_comes_back() {
     assert_paced(
         &sorted_arrivals(&upstream),
         Duration::from_millis(200),
-        Duration::from_millis(10),
+        Duration::from_millis(20),
     );
     let metrics = admin_get(&proxy, "/metrics").await;
     assert!(metrics.contains("tollgate_backend_up 0"), "{metrics}");
