@@ -15,6 +15,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::Authority;
 use http::{Request, Response, Uri, Version};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -23,7 +24,7 @@ use tower::Service;
 
 use crate::body::{self, Body, BoxError};
 use crate::config::ProxyConfig;
-use crate::error::{ProxyError, PROXY_NAME};
+use crate::error::ProxyError;
 
 /// Headers that describe one connection, not the message; never forwarded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [HeaderName; 7] = [
@@ -57,14 +58,36 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Appends tollgate to `Via` (RFC 9110 §7.6.3), keeping what earlier proxies wrote.
 pub fn add_via(headers: &mut HeaderMap, version: Version) {
+    // Constants rather than `format!`: this runs twice per request, and a formatted
+    // value would be an allocation each time. A test checks they name `PROXY_NAME`.
     let hop = match version {
-        Version::HTTP_10 => "1.0",
-        Version::HTTP_2 => "2",
-        Version::HTTP_3 => "3",
-        _ => "1.1",
+        Version::HTTP_10 => VIA_10,
+        Version::HTTP_2 => VIA_2,
+        Version::HTTP_3 => VIA_3,
+        _ => VIA_11,
     };
-    let value = HeaderValue::try_from(format!("{hop} {PROXY_NAME}")).expect("ASCII");
-    headers.append(header::VIA, value);
+    headers.append(header::VIA, hop);
+}
+
+const VIA_10: HeaderValue = HeaderValue::from_static("1.0 tollgate");
+const VIA_11: HeaderValue = HeaderValue::from_static("1.1 tollgate");
+const VIA_2: HeaderValue = HeaderValue::from_static("2 tollgate");
+const VIA_3: HeaderValue = HeaderValue::from_static("3 tollgate");
+
+/// Makes `Host` name `authority`, the upstream the request goes to.
+pub fn set_host(headers: &mut HeaderMap, authority: &Authority) {
+    // Forward-proxy clients already send this very Host: only rewrite when it differs
+    // (a route, or a client that disagrees with its own URI), which saves a copy.
+    let mut hosts = headers.get_all(header::HOST).iter();
+    let same = hosts
+        .next()
+        .is_some_and(|h| h.as_bytes() == authority.as_str().as_bytes())
+        && hosts.next().is_none();
+    if !same {
+        let host =
+            HeaderValue::from_str(authority.as_str()).expect("an authority is a valid header");
+        headers.insert(header::HOST, host);
+    }
 }
 
 /// `host:port` of a URI, with the scheme's default port filled in.
@@ -256,16 +279,13 @@ impl Upstream {
     /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
     /// upstream's response head with its body still streaming.
     pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, ProxyError> {
-        let authority = authority_of(req.uri());
+        // Kept for error messages only, which format it then; cloning a URI copies no bytes.
+        let uri = req.uri().clone();
         let client_version = req.version();
         strip_hop_by_hop(req.headers_mut());
         add_via(req.headers_mut(), client_version);
-        let host = req
-            .uri()
-            .authority()
-            .map(|a| HeaderValue::from_str(a.as_str()).expect("an authority is a valid header"));
-        if let Some(host) = host {
-            req.headers_mut().insert(header::HOST, host);
+        if let Some(authority) = uri.authority() {
+            set_host(req.headers_mut(), authority);
         }
         // The client side may have spoken h2 to us; the upstream side is chosen by ALPN.
         *req.version_mut() = Version::HTTP_11;
@@ -273,10 +293,10 @@ impl Upstream {
         let response = tokio::time::timeout(self.response_timeout, self.client.request(req))
             .await
             .map_err(|_| ProxyError::ResponseTimeout {
-                authority: authority.clone(),
+                authority: authority_of(&uri),
                 after: self.response_timeout,
             })?
-            .map_err(|e| client_error(e, authority))?;
+            .map_err(|e| client_error(e, authority_of(&uri)))?;
 
         let (mut parts, incoming) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -341,6 +361,7 @@ fn client_error(err: hyper_util::client::legacy::Error, authority: String) -> Pr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::PROXY_NAME;
 
     #[test]
     fn strips_fixed_and_named_hop_by_hop_headers() {
@@ -363,6 +384,31 @@ mod tests {
         add_via(&mut h, Version::HTTP_11);
         let all: Vec<_> = h.get_all(header::VIA).iter().collect();
         assert_eq!(all, ["1.0 corp-proxy", "1.1 tollgate"]);
+        for (version, hop) in [
+            (Version::HTTP_10, "1.0"),
+            (Version::HTTP_11, "1.1"),
+            (Version::HTTP_2, "2"),
+            (Version::HTTP_3, "3"),
+        ] {
+            let mut h = HeaderMap::new();
+            add_via(&mut h, version);
+            assert_eq!(h[header::VIA], format!("{hop} {PROXY_NAME}"));
+        }
+    }
+
+    #[test]
+    fn host_names_the_upstream() {
+        let authority: Authority = "api.example:8443".parse().unwrap();
+        let mut h = HeaderMap::new();
+        set_host(&mut h, &authority);
+        assert_eq!(h[header::HOST], "api.example:8443");
+        h.insert(header::HOST, HeaderValue::from_static("other"));
+        h.append(header::HOST, HeaderValue::from_static("api.example:8443"));
+        set_host(&mut h, &authority);
+        assert_eq!(h.get_all(header::HOST).iter().count(), 1);
+        assert_eq!(h[header::HOST], "api.example:8443");
+        set_host(&mut h, &authority);
+        assert_eq!(h[header::HOST], "api.example:8443");
     }
 
     #[test]

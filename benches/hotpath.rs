@@ -1,0 +1,135 @@
+//! The per-request work tollgate adds in forward mode, without any network, so a
+//! regression shows without running the peers benchmark (`../shared/bench/peers.sh`):
+//!
+//! * `limiter/unlimited_defaults` — `Limits::group_for` for an unlisted host (the
+//!   `[defaults]` group, as in the peers benchmark) + `Group::admit` + dropping the
+//!   permit: the throttle's whole decision for an uncontended group;
+//! * `limiter/rated_defaults` — the same with a rate too fast to ever wait (10⁹/s), so
+//!   the GCRA arithmetic runs too;
+//! * `headers/request` and `headers/response` — hop-by-hop stripping, `Via` and `Host`
+//!   on a typical forward-proxy request, and on a typical upstream response;
+//! * `classify/forward` — classifying an absolute-form request.
+//!
+//! `cargo bench --bench hotpath`; `cargo bench --bench hotpath -- --test` runs each once.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Version};
+use tokio::time::Instant;
+use tollgate::classify::Classifier;
+use tollgate::config::Config;
+use tollgate::limit::Limits;
+use tollgate::metrics::Metrics;
+use tollgate::upstream::{add_via, set_host, strip_hop_by_hop};
+
+fn limits(defaults: &str) -> Limits {
+    let config = Config::parse(&format!("[defaults]\n{defaults}\n"), "bench").unwrap();
+    Limits::new(&config, std::sync::Arc::new(Metrics::new()), None)
+}
+
+fn limiter(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let mut g = c.benchmark_group("limiter");
+    for (name, defaults) in [
+        (
+            "unlimited_defaults",
+            "rate = \"unlimited\"\nconcurrency = 100000",
+        ),
+        (
+            "rated_defaults",
+            "rate = \"1000000000/s\"\nburst = 1000\nconcurrency = 100000",
+        ),
+    ] {
+        let limits = limits(defaults);
+        g.bench_function(name, |b| {
+            b.to_async(&runtime).iter(|| async {
+                let group = limits.group_for(black_box("127.0.0.1"), None);
+                let now = Instant::now();
+                let permit = group
+                    .admit(1, now, now + Duration::from_secs(60), false)
+                    .await
+                    .unwrap();
+                drop(black_box(permit));
+            })
+        });
+    }
+    g.finish();
+}
+
+/// The headers wrk sends through a forward proxy, plus a typical hop-by-hop one.
+fn request_headers() -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(header::HOST, HeaderValue::from_static("127.0.0.1:18080"));
+    h.insert(header::USER_AGENT, HeaderValue::from_static("bench/1.0"));
+    h.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+    h.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+    h
+}
+
+fn response_headers() -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(header::SERVER, HeaderValue::from_static("nginx"));
+    h.insert(
+        header::DATE,
+        HeaderValue::from_static("Sun, 22 Nov 2026 10:00:00 GMT"),
+    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+    h
+}
+
+fn headers(c: &mut Criterion) {
+    let mut g = c.benchmark_group("headers");
+    let authority = "127.0.0.1:18080".parse().unwrap();
+    let request = request_headers();
+    g.bench_function("request", |b| {
+        b.iter_batched_ref(
+            || request.clone(),
+            |h| {
+                strip_hop_by_hop(h);
+                add_via(h, Version::HTTP_11);
+                set_host(h, &authority);
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let response = response_headers();
+    g.bench_function("response", |b| {
+        b.iter_batched_ref(
+            || response.clone(),
+            |h| {
+                strip_hop_by_hop(h);
+                add_via(h, Version::HTTP_11);
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+fn classify(c: &mut Criterion) {
+    let classifier = Classifier::new(&Config::parse("", "bench").unwrap());
+    let local = "127.0.0.1:18088".parse().unwrap();
+    c.bench_function("classify/forward", |b| {
+        b.iter_batched_ref(
+            || {
+                Request::builder()
+                    .method(Method::GET)
+                    .uri("http://127.0.0.1:18080/")
+                    .body(())
+                    .unwrap()
+            },
+            |req| black_box(classifier.classify(req, local).unwrap()),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+}
+
+criterion_group!(benches, limiter, headers, classify);
+criterion_main!(benches);
