@@ -25,22 +25,22 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceBuilder};
 
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Target};
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
-use crate::limit::layer::{Arrival, ThrottleLayer, TunnelPermit};
+use crate::limit::layer::{Arrival, Throttle, ThrottleLayer, TunnelPermit};
 use crate::limit::{Limits, Shared};
 use crate::metrics::Metrics;
-use crate::pushback::PushbackLayer;
+use crate::pushback::{Pushback, PushbackLayer};
 use crate::tunnel;
 use crate::upstream::{Dialer, Upstream};
 
-/// The type-erased inner stack, so the layer list can change without touching callers.
-type Stack = BoxCloneSyncService<Request<Body>, Response<Body>, ProxyError>;
+/// The inner stack, by its concrete type: cloning it per request (`Service::call` takes
+/// `&mut self`) is then one reference count, where a boxed service would allocate.
+type Stack = Pushback<Throttle<Dispatch>>;
 
 /// Everything a request needs, built once from the configuration and shared by all
 /// connections.
@@ -81,12 +81,12 @@ impl Proxy {
         let limits = Arc::new(Limits::new(config, metrics.clone(), shared.clone()));
         let tunnels = TaskTracker::new();
         let cut = CancellationToken::new();
-        let dispatch = Dispatch {
+        let dispatch = Dispatch(Arc::new(DispatchInner {
             upstream,
             dialer,
             tunnels: tunnels.clone(),
             cut: cut.clone(),
-        };
+        }));
         let stack = ServiceBuilder::new()
             .layer(PushbackLayer)
             .layer(ThrottleLayer)
@@ -96,7 +96,7 @@ impl Proxy {
             shared,
             limits,
             metrics,
-            stack: BoxCloneSyncService::new(stack),
+            stack,
             tunnels,
             cut,
         })
@@ -160,8 +160,12 @@ impl Proxy {
 }
 
 /// The leaf of the stack: CONNECT opens a tunnel, everything else goes upstream.
+/// Shared behind an `Arc`: each request's future holds its own handle, and cloning the
+/// pooled client and the rest field by field showed in the profile.
 #[derive(Clone)]
-struct Dispatch {
+struct Dispatch(Arc<DispatchInner>);
+
+struct DispatchInner {
     upstream: Upstream,
     dialer: Dialer,
     tunnels: TaskTracker,
@@ -178,7 +182,7 @@ impl Service<Request<Body>> for Dispatch {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let this = self.clone();
+        let this = self.0.clone();
         Box::pin(async move {
             if req.method() == Method::CONNECT {
                 let target = req

@@ -20,9 +20,7 @@
 //! `RateLimit: ...;r=0` pause the group until the reset, before the upstream has to
 //! refuse anything.
 
-use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
@@ -35,7 +33,7 @@ use tower::{Layer, Service};
 use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
-use crate::limit::layer::{Arrival, Retrying};
+use crate::limit::layer::{Arrival, BoxFuture, Retrying};
 use crate::limit::Group;
 use crate::ratelimit_headers::pause_hint;
 use crate::retry_after::{backoff, retry_after};
@@ -107,15 +105,12 @@ pub struct Pushback<S> {
     inner: S,
 }
 
-type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
-
 impl<S> Service<Request<Body>> for Pushback<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>
         + Clone
         + Send
         + 'static,
-    S::Future: Send + 'static,
 {
     type Response = Response<Body>;
     type Error = ProxyError;
@@ -209,13 +204,12 @@ async fn send<S>(
     arrived: Instant,
 ) -> Result<Response<Body>, ProxyError>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>,
-    S::Future: Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>,
 {
     let settings = &group.settings;
     let mut attempt = 0;
     loop {
-        let response = call_boxed(inner, request.attempt(attempt)).await?;
+        let response = inner.call(request.attempt(attempt)).await?;
         let verdict = judge(
             response.status().as_u16(),
             response.headers(),
@@ -261,15 +255,6 @@ fn record_pause(group: &Group, pause: Duration, why: &str) {
         pause = %humantime::format_duration(Duration::from_millis(pause.as_millis() as u64)),
         "pausing group: {why}"
     );
-}
-
-/// See `limit::layer::call_boxed`: erases the inner future's type before it is awaited.
-fn call_boxed<S>(inner: &mut S, req: Request<Body>) -> BoxFuture
-where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>,
-    S::Future: Send + 'static,
-{
-    Box::pin(inner.call(req))
 }
 
 /// A number in `[0, 1)` for backoff jitter. The standard library's per-instance random

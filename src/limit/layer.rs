@@ -61,11 +61,10 @@ pub struct Throttle<S> {
 
 impl<S> Service<Request<Body>> for Throttle<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>
+    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>
         + Clone
         + Send
         + 'static,
-    S::Future: Send + 'static,
 {
     type Response = Response<Body>;
     type Error = ProxyError;
@@ -98,27 +97,20 @@ where
             if req.method() == Method::CONNECT {
                 req.extensions_mut()
                     .insert(TunnelPermit(Arc::new(Mutex::new(Some(permit)))));
-                return call_boxed(&mut inner, req).await;
+                return inner.call(req).await;
             }
-            let response = call_boxed(&mut inner, req).await?;
+            let response = inner.call(req).await?;
             Ok(response.map(|b| body::boxed(PermitBody::new(b, permit))))
         })
     }
 }
 
-type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
-
-/// Calls `inner` and erases its future's type. Awaiting `S::Future` directly inside the
-/// `async` block makes rustc demand `Send` for every lifetime of the boxed error type in
-/// `Body` (a known limitation of its higher-ranked reasoning); a boxed future is proven
-/// `Send` here, once, from the impl's own bounds.
-fn call_boxed<S>(inner: &mut S, req: Request<Body>) -> BoxFuture
-where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError>,
-    S::Future: Send + 'static,
-{
-    Box::pin(inner.call(req))
-}
+/// The future of every service in the stack. The inner service must return one too:
+/// awaiting a generic `S::Future` inside the `async` block makes rustc demand `Send` for
+/// every lifetime of the boxed error type in `Body` (a known limitation of its
+/// higher-ranked reasoning), and re-boxing it to erase the type cost an allocation per
+/// layer per request.
+pub type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
 
 pin_project_lite::pin_project! {
     /// A response body that holds the request's permit until it ends.
