@@ -15,7 +15,7 @@ pub mod layer;
 pub mod shared;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
@@ -33,7 +33,9 @@ pub struct Limits {
     /// `(".domain", group)`, longest first so the most specific pattern wins.
     by_suffix: Vec<(String, Arc<Group>)>,
     defaults: GroupSettings,
-    dynamic: Mutex<Dynamic>,
+    /// Read-mostly: every request to an unlisted host looks its group up here, and only
+    /// a new host (or a sweep) writes, so lookups from all threads proceed together.
+    dynamic: RwLock<Dynamic>,
     metrics: Arc<Metrics>,
     /// The Redis store, when limits are shared by replicas.
     shared: Option<Arc<Shared>>,
@@ -75,7 +77,7 @@ impl Limits {
             by_host,
             by_suffix,
             defaults: config.defaults.clone(),
-            dynamic: Mutex::new(Dynamic {
+            dynamic: RwLock::new(Dynamic {
                 groups: HashMap::new(),
                 sweep_at: FIRST_SWEEP,
             }),
@@ -99,7 +101,18 @@ impl Limits {
         {
             return group.clone();
         }
-        let mut dynamic = self.dynamic.lock().unwrap_or_else(|p| p.into_inner());
+        let found = self
+            .dynamic
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .groups
+            .get(host)
+            .cloned();
+        if let Some(group) = found {
+            return group;
+        }
+        let mut dynamic = self.dynamic.write().unwrap_or_else(|p| p.into_inner());
+        // Another thread may have made it between the two locks.
         if let Some(group) = dynamic.groups.get(host) {
             return group.clone();
         }
@@ -120,7 +133,7 @@ impl Limits {
     pub fn groups(&self) -> Vec<Arc<Group>> {
         let mut all: Vec<Arc<Group>> = self.by_name.values().cloned().collect();
         all.sort_by(|a, b| a.name.cmp(&b.name));
-        let dynamic = self.dynamic.lock().unwrap_or_else(|p| p.into_inner());
+        let dynamic = self.dynamic.read().unwrap_or_else(|p| p.into_inner());
         let mut hosts: Vec<Arc<Group>> = dynamic.groups.values().cloned().collect();
         hosts.sort_by(|a, b| a.name.cmp(&b.name));
         all.extend(hosts);
@@ -128,7 +141,8 @@ impl Limits {
     }
 
     /// Drops dynamic groups nobody uses: no request holds them (the map's reference is
-    /// the only one, and new ones are only made under this lock) and their state is idle.
+    /// the only one, and references are only handed out under this lock, which the sweep
+    /// holds for writing) and their state is idle.
     fn sweep(&self, dynamic: &mut Dynamic) {
         let before = dynamic.groups.len();
         dynamic.groups.retain(|host, group| {
@@ -149,7 +163,7 @@ impl Limits {
     /// How many groups for unlisted hosts exist (for tests and `/status`).
     pub fn dynamic_groups(&self) -> usize {
         self.dynamic
-            .lock()
+            .read()
             .unwrap_or_else(|p| p.into_inner())
             .groups
             .len()
