@@ -10,33 +10,15 @@ use std::time::{Duration, Instant};
 
 use support::*;
 
-fn sorted_arrivals(upstream: &Upstream) -> Vec<Instant> {
-    let mut at: Vec<Instant> = upstream.requests().iter().map(|s| s.at).collect();
-    at.sort();
-    at
-}
-
-/// For every pair of arrivals, no closer than the rate allows (minus `slack`).
-fn assert_paced(arrivals: &[Instant], interval: Duration, slack: Duration) {
-    for i in 0..arrivals.len() {
-        for j in i + 1..arrivals.len() {
-            let gap = arrivals[j] - arrivals[i];
-            let floor = interval * (j - i) as u32;
-            assert!(
-                gap + slack >= floor,
-                "arrivals {i} and {j} are {gap:?} apart; the shared rate allows no less than {floor:?}"
-            );
-        }
-    }
-}
-
 fn config(redis: &RedisServer, extra: &str) -> String {
     format!(
         r#"
         [backend]
         kind = "redis"
         url = "{}"
-        timeout = "50ms"
+        # Longer than the 50 ms default: a test machine under load must not make
+        # tollgate think Redis is down (that mode has tests of its own).
+        timeout = "300ms"
         {extra}
         "#,
         redis.url()
@@ -72,10 +54,17 @@ async fn shared_rate(instances: usize) {
     let statuses = load(&refs, &upstream, 60 / instances).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
 
-    let at = sorted_arrivals(&upstream);
+    let at = arrivals(&upstream);
     assert_eq!(at.len(), 60);
-    // At most 20/s in total across the instances (slack for delivery jitter)...
-    assert_paced(&at, Duration::from_millis(50), Duration::from_millis(20));
+    // At most 20/s (+ burst 1) in total across the instances, in every 1 s window. Not
+    // pairwise spacing: each replica sleeps its booked wait from when Redis's answer
+    // arrives, so a replica whose round trip was slow leaves a little late, next to
+    // an on-time neighbour, without the total ever going over.
+    let busiest = max_in_window(&at, Duration::from_secs(1));
+    assert!(
+        busiest <= 21,
+        "{busiest} requests reached the upstream within 1 s"
+    );
     // ...and at least 95 % of it: 59 intervals of 50 ms take no more than 3.1 s.
     let span = at[59] - at[0];
     assert!(
@@ -179,7 +168,7 @@ async fn redis_down_falls_back_to_a_local_share_and_comes_back() {
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     // Alone without Redis, this replica takes its share: 10/s over 2 replicas.
     assert_paced(
-        &sorted_arrivals(&upstream),
+        &arrivals(&upstream),
         Duration::from_millis(200),
         Duration::from_millis(20),
     );
@@ -245,7 +234,7 @@ async fn a_frozen_redis_never_holds_a_request_past_the_timeout() {
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
-        // The 50 ms timeout, the 10 ms pace and the exchange: far below a second,
+        // The 300 ms timeout, the 10 ms pace and the exchange: below a second,
         // where a request stuck on Redis would never be answered at all.
         assert!(
             started.elapsed() < Duration::from_secs(1),

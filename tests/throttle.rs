@@ -7,30 +7,6 @@ use std::time::{Duration, Instant};
 
 use support::*;
 
-/// No two arrivals closer than the rate allows: for every pair i < j the upstream saw
-/// them at least (j − i)·interval apart, minus `slack` for delivery noise. tollgate
-/// dispatches on exact slots, but a request can reach the upstream late (a new
-/// connection, a busy machine), making its gap to the next one look short; a request
-/// that left early would show up as a gap near zero.
-fn assert_paced(arrivals: &[Instant], interval: Duration, slack: Duration) {
-    for i in 0..arrivals.len() {
-        for j in i + 1..arrivals.len() {
-            let gap = arrivals[j] - arrivals[i];
-            let floor = interval * (j - i) as u32;
-            assert!(
-                gap + slack >= floor,
-                "arrivals {i} and {j} are {gap:?} apart; the rate allows no less than {floor:?}"
-            );
-        }
-    }
-}
-
-fn arrivals(upstream: &Upstream) -> Vec<Instant> {
-    let mut at: Vec<Instant> = upstream.requests().iter().map(|s| s.at).collect();
-    at.sort();
-    at
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_concurrent_requests_leave_at_the_pace() {
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;

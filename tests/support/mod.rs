@@ -1204,3 +1204,45 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&path, text).expect("write file");
     path
 }
+
+// ---------------------------------------------------------------------------------
+// Pacing, as the upstream saw it
+// ---------------------------------------------------------------------------------
+
+/// When the upstream received each request head, in time order.
+pub fn arrivals(upstream: &Upstream) -> Vec<Instant> {
+    let mut at: Vec<Instant> = upstream.requests().iter().map(|s| s.at).collect();
+    at.sort();
+    at
+}
+
+/// No two arrivals closer than the rate allows: for every pair i < j the upstream saw
+/// them at least (j − i)·interval apart, minus `slack` for delivery noise. tollgate
+/// dispatches on exact slots, but a request can reach the upstream late (a new
+/// connection, a busy machine), making its gap to the next one look short; a request
+/// that left early would show up as a gap near zero.
+pub fn assert_paced(arrivals: &[Instant], interval: Duration, slack: Duration) {
+    for i in 0..arrivals.len() {
+        for j in i + 1..arrivals.len() {
+            let gap = arrivals[j] - arrivals[i];
+            let floor = interval * (j - i) as u32;
+            assert!(
+                gap + slack >= floor,
+                "arrivals {i} and {j} are {gap:?} apart; the rate allows no less than {floor:?}"
+            );
+        }
+    }
+}
+
+/// The most arrivals in any window of length `window` (windows start at an arrival).
+pub fn max_in_window(arrivals: &[Instant], window: Duration) -> usize {
+    (0..arrivals.len())
+        .map(|i| {
+            arrivals[i..]
+                .iter()
+                .take_while(|at| **at - arrivals[i] < window)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
