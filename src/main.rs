@@ -10,6 +10,12 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tollgate::config::Config;
 
+/// glibc's malloc showed at ~13 % of the CPU per proxied request (many small,
+/// short-lived allocations moving between worker threads); mimalloc handles that
+/// pattern with thread-local free lists. Measured in BENCHMARKS.md.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit status for a configuration that cannot be used (EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;
 
@@ -26,6 +32,9 @@ struct Cli {
     /// Log format; the level comes from RUST_LOG (default "info").
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Threads that serve connections (default: one per core).
+    #[arg(long, env = "TOLLGATE_WORKER_THREADS")]
+    worker_threads: Option<usize>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -71,7 +80,11 @@ fn main() -> ExitCode {
     if let Some(listen) = cli.listen {
         config.proxy.listen = listen;
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = cli.worker_threads.filter(|n| *n > 0) {
+        runtime.worker_threads(threads);
+    }
+    let runtime = runtime
         .enable_all()
         .build()
         .expect("the tokio runtime starts");
