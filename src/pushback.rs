@@ -64,11 +64,9 @@ pub fn judge(
 ) -> Verdict {
     let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
     let max = settings.max_pause;
-    // Epoch resets are read against the upstream's own clock when it says what it is.
-    let upstream_now = text(header::DATE)
-        .and_then(|d| httpdate::parse_http_date(d).ok())
-        .unwrap_or(now);
-    let hint = pause_hint(headers, upstream_now, max);
+    // Epoch resets are read against the upstream's own clock when it says what it is:
+    // `pause_hint` reads `Date` itself and falls back to `now`.
+    let hint = pause_hint(headers, now, max);
     if settings.retry_statuses.contains(&status) {
         let fallback = || backoff(pushbacks_in_row, max, jitter);
         match text(header::RETRY_AFTER) {
@@ -182,7 +180,13 @@ impl Replayable {
             Replayable::Buffered(parts, bytes) => (parts, bytes),
             Replayable::Once(req) => return req.take().expect("a streamed request is sent once"),
         };
-        let mut req = Request::new(body::full(bytes.clone()));
+        // No body is the common case; an empty body needs no allocation.
+        let body = if bytes.is_empty() {
+            body::empty()
+        } else {
+            body::full(bytes.clone())
+        };
+        let mut req = Request::new(body);
         *req.method_mut() = parts.method.clone();
         *req.uri_mut() = parts.uri.clone();
         *req.version_mut() = parts.version;
@@ -210,13 +214,21 @@ where
     let mut attempt = 0;
     loop {
         let response = inner.call(request.attempt(attempt)).await?;
+        let status = response.status().as_u16();
+        // Jitter only spreads the fallback backoff of a refusal; skip its hashing on
+        // every other answer.
+        let jitter = if settings.retry_statuses.contains(&status) {
+            jitter()
+        } else {
+            0.0
+        };
         let verdict = judge(
-            response.status().as_u16(),
+            status,
             response.headers(),
             settings,
             SystemTime::now(),
             group.pushbacks_in_row(),
-            jitter(),
+            jitter,
         );
         let pause = match verdict {
             Verdict::Pass => {
