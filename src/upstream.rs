@@ -39,7 +39,14 @@ const HOP_BY_HOP: [HeaderName; 7] = [
 
 /// Removes hop-by-hop headers: the fixed list and every header `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.contains_key(header::CONNECTION) {
+    // Nearly every upstream says `Connection: keep-alive`, which names only a header the
+    // fixed list removes anyway: skip collecting the names then (an allocation and a
+    // header-name parse per response in the profile).
+    let only_keep_alive = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .all(|v| v.as_bytes().eq_ignore_ascii_case(b"keep-alive"));
+    if !only_keep_alive {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
