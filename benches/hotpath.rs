@@ -3,9 +3,8 @@
 //!
 //! * `limiter/unlimited_defaults` — `Limits::group_for` for an unlisted host (the
 //!   `[defaults]` group, as in the peers benchmark) + `Group::admit` + dropping the
-//!   permit: the throttle's whole decision for an uncontended group;
-//! * `limiter/rated_defaults` — the same with a rate too fast to ever wait (10⁹/s), so
-//!   the GCRA arithmetic runs too;
+//!   permit: the throttle's whole decision for an uncontended group (`benches/limiter.rs`
+//!   covers rated and contended groups);
 //! * `headers/request` and `headers/response` — hop-by-hop stripping, `Via` and `Host`
 //!   on a typical forward-proxy request, and on a typical upstream response;
 //! * `classify/forward` — classifying an absolute-form request.
@@ -35,29 +34,18 @@ fn limiter(c: &mut Criterion) {
         .build()
         .unwrap();
     let mut g = c.benchmark_group("limiter");
-    for (name, defaults) in [
-        (
-            "unlimited_defaults",
-            "rate = \"unlimited\"\nconcurrency = 100000",
-        ),
-        (
-            "rated_defaults",
-            "rate = \"1000000000/s\"\nburst = 1000\nconcurrency = 100000",
-        ),
-    ] {
-        let limits = limits(defaults);
-        g.bench_function(name, |b| {
-            b.to_async(&runtime).iter(|| async {
-                let group = limits.group_for(black_box("127.0.0.1"), None);
-                let now = Instant::now();
-                let permit = group
-                    .admit(1, now, now + Duration::from_secs(60), false)
-                    .await
-                    .unwrap();
-                drop(black_box(permit));
-            })
-        });
-    }
+    let limits = limits("rate = \"unlimited\"\nconcurrency = 100000");
+    g.bench_function("unlimited_defaults", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let group = limits.group_for(black_box("127.0.0.1"), None);
+            let now = Instant::now();
+            let permit = group
+                .admit(1, now, now + Duration::from_secs(60), false)
+                .await
+                .unwrap();
+            drop(black_box(permit));
+        })
+    });
     g.finish();
 }
 
