@@ -10,12 +10,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tollgate::config::Config;
 
-/// glibc's malloc showed at ~13 % of the CPU per proxied request (many small,
-/// short-lived allocations moving between worker threads); mimalloc handles that
-/// pattern with thread-local free lists. Measured in BENCHMARKS.md.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Exit status for a configuration that cannot be used (EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;
 
