@@ -21,7 +21,6 @@
 //! refuse anything.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -33,7 +32,7 @@ use tower::{Layer, Service};
 use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
-use crate::limit::layer::{Arrival, BoxFuture, Retrying};
+use crate::limit::layer::{group_and_arrival, BoxFuture, Retrying};
 use crate::limit::Group;
 use crate::ratelimit_headers::pause_hint;
 use crate::retry_after::{backoff, retry_after};
@@ -125,15 +124,7 @@ where
             return Box::pin(inner.call(req));
         }
         Box::pin(async move {
-            let group = req
-                .extensions()
-                .get::<Arc<Group>>()
-                .cloned()
-                .expect("the proxy puts the group in the extensions");
-            let arrived = req
-                .extensions()
-                .get::<Arrival>()
-                .map_or_else(Instant::now, |a| a.0);
+            let (group, arrived) = group_and_arrival(&req);
             let (parts, body) = req.into_parts();
             let request = Replayable::read(parts, body, group.settings.max_replay_body).await?;
             send(&mut inner, request, &group, arrived).await

@@ -24,6 +24,21 @@ use crate::error::ProxyError;
 #[derive(Debug, Clone, Copy)]
 pub struct Arrival(pub Instant);
 
+/// The group [`crate::proxy::Proxy::handle`] chose for `req`, and when it arrived (now,
+/// for a request that never went through `handle`).
+pub fn group_and_arrival<B>(req: &Request<B>) -> (Arc<Group>, Instant) {
+    let group = req
+        .extensions()
+        .get::<Arc<Group>>()
+        .cloned()
+        .expect("the proxy puts the group in the extensions");
+    let arrived = req
+        .extensions()
+        .get::<Arrival>()
+        .map_or_else(Instant::now, |a| a.0);
+    (group, arrived)
+}
+
 /// Marks a request that the upstream refused and that is retried: it goes to the head
 /// of its group's queue.
 #[derive(Debug, Clone, Copy)]
@@ -78,15 +93,7 @@ where
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let mut inner = self.inner.clone();
         Box::pin(async move {
-            let group = req
-                .extensions()
-                .get::<Arc<Group>>()
-                .cloned()
-                .expect("the proxy puts the group in the extensions");
-            let arrived = req
-                .extensions()
-                .get::<Arrival>()
-                .map_or_else(Instant::now, |a| a.0);
+            let (group, arrived) = group_and_arrival(&req);
             let front = req.extensions().get::<Retrying>().is_some();
             let cost = group.settings.cost_of(req.method(), req.uri().path());
             let deadline = arrived + group.settings.max_wait;
