@@ -766,6 +766,32 @@ mod tests {
         out
     }
 
+    /// Starts named requests `(name, cost, retried)` in order; returns `(name, departure
+    /// ms after start)` in departure order. Permits are dropped at once.
+    async fn departures(
+        g: &Arc<Group>,
+        start: Instant,
+        requests: &[(&'static str, u32, bool)],
+    ) -> Vec<(&'static str, u128)> {
+        let far = start + Duration::from_secs(60);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for &(name, cost, front) in requests {
+            let (g, tx) = (g.clone(), tx.clone());
+            tokio::spawn(async move {
+                let _p = g.admit(cost, start, far, front).await.unwrap();
+                tx.send((name, start.elapsed().as_millis())).unwrap();
+            });
+            // Let it join the queue before the next one arrives.
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        let mut out = vec![];
+        while let Some(x) = rx.recv().await {
+            out.push(x);
+        }
+        out
+    }
+
     #[tokio::test(start_paused = true)]
     async fn requests_leave_in_order_at_the_pace() {
         let g = group("10/s", |_| {});
@@ -868,21 +894,12 @@ mod tests {
         let start = Instant::now();
         let far = start + Duration::from_secs(60);
         let _first = g.admit(1, start, far, false).await.unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        for (name, front) in [("a", false), ("b", false), ("retry", true)] {
-            let g = g.clone();
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let _p = g.admit(1, start, far, front).await.unwrap();
-                tx.send((name, start.elapsed().as_millis())).unwrap();
-            });
-            tokio::task::yield_now().await;
-        }
-        drop(tx);
-        let mut out = vec![];
-        while let Some(x) = rx.recv().await {
-            out.push(x);
-        }
+        let out = departures(
+            &g,
+            start,
+            &[("a", 1, false), ("b", 1, false), ("retry", 1, true)],
+        )
+        .await;
         // "a" holds the turn, asleep until its slot at 1 s; the retry arrives meanwhile
         // and leaves in that slot, "a" right after it, then "b".
         assert_eq!(out, [("retry", 1000), ("a", 2000), ("b", 3000)]);
@@ -892,22 +909,12 @@ mod tests {
     async fn a_heavy_request_is_not_overtaken() {
         let g = group("10/s", |s| s.costs = vec![]);
         let start = Instant::now();
-        let far = start + Duration::from_secs(60);
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        for (name, cost) in [("light1", 1), ("heavy", 5), ("light2", 1)] {
-            let g = g.clone();
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let _p = g.admit(cost, start, far, false).await.unwrap();
-                tx.send((name, start.elapsed().as_millis())).unwrap();
-            });
-            tokio::task::yield_now().await;
-        }
-        drop(tx);
-        let mut out = vec![];
-        while let Some(x) = rx.recv().await {
-            out.push(x);
-        }
+        let requests = [
+            ("light1", 1, false),
+            ("heavy", 5, false),
+            ("light2", 1, false),
+        ];
+        let out = departures(&g, start, &requests).await;
         // The heavy one leaves at its turn and the next waits for its whole weight.
         assert_eq!(out, [("light1", 0), ("heavy", 100), ("light2", 600)]);
     }
