@@ -6,15 +6,18 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
@@ -59,19 +62,25 @@ pub async fn serve(
     settings: &ProxyConfig,
     shutdown: impl Future<Output = ()>,
 ) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         // Against slowloris; hyper also applies it while a keep-alive connection is idle.
         .header_read_timeout(settings.client_header_timeout.0);
-    builder
-        .http2()
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(20));
+    let protocols = Arc::new(Protocols {
+        http1,
+        http2,
+        sniff_within: settings.client_header_timeout.0,
+    });
 
-    let graceful = GracefulShutdown::new();
-    // Cancelled when the grace is over: every client connection still open is closed.
+    // Every client connection is a task here; at shutdown `drain` asks them to finish
+    // the request in hand and close, and `cut` closes whatever is left after the grace.
+    let connections = TaskTracker::new();
+    let drain = CancellationToken::new();
     let cut = CancellationToken::new();
     tokio::pin!(shutdown);
     loop {
@@ -91,43 +100,185 @@ pub async fn serve(
         let Ok(local) = stream.local_addr() else {
             continue;
         };
-        let proxy = proxy.clone();
-        let service = service_fn(move |req| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
-        });
-        let conn = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let conn = graceful.watch(conn);
-        let cut = cut.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                ended = conn => if let Err(e) = ended {
-                    tracing::debug!(%remote, error = %e, "client connection ended with an error");
-                },
-                _ = cut.cancelled() => tracing::debug!(%remote, "connection cut at shutdown"),
-            }
-        });
+        let client = Client {
+            proxy: proxy.clone(),
+            protocols: protocols.clone(),
+            local,
+            remote,
+        };
+        connections.spawn(client.serve(stream, drain.clone(), cut.clone()));
     }
     drop(listener);
 
     let grace = settings.shutdown_grace.0;
-    let open = graceful.count();
-    tracing::info!(connections = open, grace = %humantime::format_duration(grace), "shutting down");
+    tracing::info!(connections = connections.len(), grace = %humantime::format_duration(grace), "shutting down");
+    drain.cancel();
+    connections.close();
     proxy.tunnels().close();
     let drained = async {
-        graceful.shutdown().await;
+        connections.wait().await;
         proxy.tunnels().wait().await;
     };
     if tokio::time::timeout(grace, drained).await.is_err() {
         tracing::warn!(
+            connections = connections.len(),
             tunnels = proxy.tunnels().len(),
             "shutdown_grace elapsed; closing what is still open"
         );
         cut.cancel();
         proxy.cut_tunnels();
         // The cut tasks end at their next poll; let them, so nothing outlives `run`.
-        let _ = tokio::time::timeout(Duration::from_secs(1), proxy.tunnels().wait()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            connections.wait().await;
+            proxy.tunnels().wait().await;
+        })
+        .await;
+    }
+}
+
+/// The two HTTP versions a client may speak, configured once.
+struct Protocols {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+    /// How long a new connection may take to show which version it speaks.
+    sniff_within: Duration,
+}
+
+/// One accepted client connection.
+struct Client {
+    proxy: Arc<Proxy>,
+    protocols: Arc<Protocols>,
+    /// The address the client connected to (transparent routes depend on it).
+    local: SocketAddr,
+    remote: SocketAddr,
+}
+
+impl Client {
+    /// Serves the connection with the HTTP version its first bytes show, until it ends,
+    /// `drain` asks it to finish (then it closes after the request in hand), or `cut`.
+    ///
+    /// The version is read with a peek rather than by hyper-util's `auto` connection,
+    /// which reads the first bytes itself and hands them back to hyper in front of the
+    /// socket: hyper's read buffer then grows to 16 KiB on the very first request, which
+    /// every waiting client connection paid (BENCHMARKS.md, "Queue memory").
+    async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
+        let Some(version) = sniff_stream(&stream, self.protocols.sniff_within).await else {
+            tracing::debug!(remote = %self.remote, "client sent no request");
+            return;
+        };
+        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
+        let service = service_fn(move |req| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
+        });
+        let io = TokioIo::new(stream);
+        let ended = match version {
+            Sniffed::Http2 => {
+                // Boxed: an HTTP/2 connection is twice the size of an HTTP/1 one, and
+                // inline it would size every client connection's task.
+                let conn = self.protocols.http2.serve_connection(io, service);
+                Box::pin(until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut)).await
+            }
+            Sniffed::Http1 | Sniffed::NeedMore => {
+                let conn = self
+                    .protocols
+                    .http1
+                    .serve_connection(io, service)
+                    .with_upgrades();
+                until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut).await
+            }
+        };
+        match ended {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                tracing::debug!(%remote, error = %e, "client connection ended with an error")
+            }
+            None => tracing::debug!(%remote, "connection cut at shutdown"),
+        }
+    }
+}
+
+/// Drives a hyper connection to its end; when `drain` fires first, starts its graceful
+/// shutdown (`shut`) and goes on; `None` when `cut` closed it.
+async fn until_closed<C>(
+    conn: C,
+    shut: impl FnOnce(Pin<&mut C>),
+    drain: &CancellationToken,
+    cut: &CancellationToken,
+) -> Option<Result<(), hyper::Error>>
+where
+    C: Future<Output = Result<(), hyper::Error>>,
+{
+    tokio::pin!(conn);
+    tokio::select! {
+        ended = conn.as_mut() => return Some(ended),
+        _ = drain.cancelled() => shut(conn.as_mut()),
+    }
+    tokio::select! {
+        ended = conn => Some(ended),
+        _ = cut.cancelled() => None,
+    }
+}
+
+/// The first bytes of an HTTP/2 connection with prior knowledge (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// What a connection's first bytes say about the HTTP version it speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sniffed {
+    Http1,
+    Http2,
+    /// A proper beginning of the HTTP/2 preface: look again once more has arrived.
+    NeedMore,
+}
+
+/// Decides the version from the bytes seen so far (not empty).
+fn sniff(first: &[u8]) -> Sniffed {
+    if first.starts_with(H2_PREFACE) {
+        Sniffed::Http2
+    } else if H2_PREFACE.starts_with(first) {
+        Sniffed::NeedMore
+    } else {
+        Sniffed::Http1
+    }
+}
+
+/// Peeks at the first bytes of `stream` (leaving them for hyper) until they tell the
+/// HTTP version. `None` when the client closes or stays silent for `within`; a preface
+/// still incomplete then is served as HTTP/1, which answers it with an error.
+async fn sniff_stream(stream: &TcpStream, within: Duration) -> Option<Sniffed> {
+    let give_up = Instant::now() + within;
+    let mut first = [0u8; H2_PREFACE.len()];
+    loop {
+        let seen = match tokio::time::timeout_at(give_up, stream.peek(&mut first)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+            Ok(Ok(seen)) => seen,
+        };
+        match sniff(&first[..seen]) {
+            // A peek returns at once while bytes are waiting, so wait before the next.
+            Sniffed::NeedMore if Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(5)).await
+            }
+            decided => return Some(decided),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sniffs_the_http2_preface_and_nothing_else() {
+        assert_eq!(sniff(H2_PREFACE), Sniffed::Http2);
+        assert_eq!(
+            sniff(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0"),
+            Sniffed::Http2
+        );
+        assert_eq!(sniff(b"PRI * HTTP/2"), Sniffed::NeedMore);
+        assert_eq!(sniff(b"P"), Sniffed::NeedMore);
+        assert_eq!(sniff(b"GET / HTTP/1.1\r\n"), Sniffed::Http1);
+        assert_eq!(sniff(b"CONNECT a:443 HTTP/1.1\r\n"), Sniffed::Http1);
+        assert_eq!(sniff(b"PRI * HTTP/1.1\r\n"), Sniffed::Http1);
     }
 }

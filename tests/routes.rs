@@ -62,6 +62,64 @@ async fn base_path_query_and_longest_prefix() {
 }
 
 #[tokio::test]
+async fn http2_clients_with_prior_knowledge_are_served_over_http2() {
+    let api = Upstream::start(|seen| Reply::ok(format!("api {} {}", seen.method, seen.path))).await;
+    let proxy = start_proxy(&format!(
+        "[[route]]\nprefix = \"/api/\"\nupstream = \"{}\"\n",
+        api.url("/v1/"),
+    ))
+    .await;
+    let base = proxy.url();
+
+    // curl with prior knowledge (one request: curl 7.88 cannot reuse such a connection,
+    // curl/curl#10634), then reqwest, which keeps one HTTP/2 connection for both of its
+    // requests, then HTTP/1.1 to the same listener: the version is told apart by each
+    // connection's first bytes.
+    let out = curl(&["--http2-prior-knowledge", &format!("{base}/api/a")], &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.text(), "api GET /v1/a");
+    assert!(out.headers.starts_with("HTTP/2 200"), "{}", out.headers);
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    for (method, path) in [("GET", "b"), ("POST", "c")] {
+        let resp = h2
+            .request(method.parse().unwrap(), format!("{base}/api/{path}"))
+            .body("h2 body")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+        assert_eq!(
+            resp.text().await.unwrap(),
+            format!("api {method} /v1/{path}")
+        );
+    }
+    let out = curl(&["--http1.1", &format!("{base}/api/d")], &[]).await;
+    assert_eq!((out.code, out.status), (0, 200), "{}", out.stderr);
+    assert!(out.headers.starts_with("HTTP/1.1 200"), "{}", out.headers);
+
+    let seen = api.requests();
+    let got: Vec<_> = seen
+        .iter()
+        .map(|s| (s.method.as_str(), s.path.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("GET", "/v1/a"),
+            ("GET", "/v1/b"),
+            ("POST", "/v1/c"),
+            ("GET", "/v1/d")
+        ]
+    );
+    assert_eq!(&seen[2].body[..], b"h2 body");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
 async fn https_upstream_trusted_by_ca_file() {
     let ca = TestCa::new();
     let upstream = Upstream::start_tls(
