@@ -341,20 +341,14 @@ impl Group {
             return None;
         }
         let mut state = self.lock();
-        if state.turn_taken || !state.waiting.is_empty() || state.queued >= self.settings.queue {
-            return None;
-        }
         let now = Instant::now();
-        if state.paused_until.is_some_and(|p| p > now) {
-            return None;
-        }
-        let since_epoch = now - self.epoch;
-        if gcra::earliest_all(&state.rates, &state.tats, since_epoch) > since_epoch {
+        if !self.may_leave_at_once(&state, now) {
             return None;
         }
         // No waiter holds the turn, so none waits on the semaphore either: a free permit
         // is nobody else's.
         let held = self.permits.clone().try_acquire_owned().ok()?;
+        let since_epoch = now - self.epoch;
         if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
             let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
             self.set_factor(&mut state, factor);
@@ -363,6 +357,26 @@ impl Group {
         gcra::advance_all(rates, tats, since_epoch, cost);
         drop(state);
         Some(Permit::new(Held::Local(held), self.clone()))
+    }
+
+    /// Whether a request arriving `now` would find nobody ahead, no pause, no queue bound
+    /// reached and the local rate open (permits aside): [`Group::admit_at_once`]'s test.
+    fn may_leave_at_once(&self, state: &State, now: Instant) -> bool {
+        let since_epoch = now - self.epoch;
+        !state.turn_taken
+            && state.waiting.is_empty()
+            && state.queued < self.settings.queue
+            && state.paused_until.is_none_or(|p| p <= now)
+            && gcra::earliest_all(&state.rates, &state.tats, since_epoch) <= since_epoch
+    }
+
+    /// Whether a request arriving now would have to wait (a hint: it may change before
+    /// the request asks). Used to decide whether a request is worth making compact before
+    /// it queues.
+    pub fn would_wait(&self) -> bool {
+        self.shared.is_some()
+            || self.permits.available_permits() == 0
+            || !self.may_leave_at_once(&self.lock(), Instant::now())
     }
 
     /// Joins the queue (or takes the turn at once when nobody is ahead).
