@@ -27,7 +27,7 @@ pub enum Kind {
     Route,
 }
 
-/// Where a request is going, decided once and stored in the request's extensions.
+/// Where a request is going, decided once; it travels in [`crate::limit::layer::Routed`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
     /// How the request reached tollgate.

@@ -28,10 +28,10 @@ use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceBuilder};
 
 use crate::body::{self, Body};
-use crate::classify::{Classifier, Target};
+use crate::classify::Classifier;
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
-use crate::limit::layer::{Arrival, Throttle, ThrottleLayer, TunnelPermit};
+use crate::limit::layer::{routed, Routed, Throttle, ThrottleLayer, TunnelPermit};
 use crate::limit::{Limits, Shared};
 use crate::metrics::Metrics;
 use crate::pushback::{Pushback, PushbackLayer};
@@ -113,10 +113,11 @@ impl Proxy {
         let group = self.limits.group_for(&target.host, target.limit.as_deref());
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
 
-        let extensions = req.extensions_mut();
-        extensions.insert(target);
-        extensions.insert(group);
-        extensions.insert(Arrival(arrived));
+        req.extensions_mut().insert(Arc::new(Routed {
+            target,
+            group,
+            arrived,
+        }));
 
         // Calling through `Service::call` on a clone (rather than `oneshot` in this async
         // fn) keeps rustc from asking for a higher-ranked `Service` impl it cannot prove.
@@ -185,11 +186,7 @@ impl Service<Request<Body>> for Dispatch {
         let this = self.0.clone();
         Box::pin(async move {
             if req.method() == Method::CONNECT {
-                let target = req
-                    .extensions()
-                    .get::<Target>()
-                    .cloned()
-                    .expect("classify inserts the target");
+                let target = routed(&req).target.clone();
                 let permit = req
                     .extensions()
                     .get::<TunnelPermit>()
