@@ -5,8 +5,8 @@
 //!
 //! The modules in the order a request meets them:
 //!
-//! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) and
-//!   drains them on shutdown;
+//! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) on one
+//!   thread per core, each with its own socket, and drains them on shutdown;
 //! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
 //! * [`proxy`] — builds the tower stack; the one place where layer order is visible;
 //! * [`pushback`] — reads the upstream's answer: 429/`Retry-After` and rate-limit

@@ -58,14 +58,6 @@ pub struct Proxy {
 impl Proxy {
     /// Builds the proxy; fails only on settings that need I/O to check (`ca_file`).
     pub fn new(config: &Config) -> Result<Proxy, ConfigError> {
-        let dialer = Dialer {
-            connect_timeout: config.proxy.connect_timeout.0,
-        };
-        let upstream =
-            Upstream::new(&config.proxy, dialer.clone()).map_err(|message| ConfigError::Other {
-                file: "proxy.ca_file".into(),
-                message,
-            })?;
         let metrics = Arc::new(Metrics::new());
         let shared = match config.backend.kind {
             BackendKind::Memory => None,
@@ -79,6 +71,36 @@ impl Proxy {
             }
         };
         let limits = Arc::new(Limits::new(config, metrics.clone(), shared.clone()));
+        Proxy::assemble(config, limits, metrics, shared)
+    }
+
+    /// Another proxy for the same configuration that spends the same budgets: groups,
+    /// metrics and the shared store are this one's; the upstream connection pool and the
+    /// tunnels are its own. One per serving thread (see [`crate::server::serve_threads`]),
+    /// so that a request and the upstream connection it uses are served by one thread.
+    pub fn sibling(&self, config: &Config) -> Result<Proxy, ConfigError> {
+        Proxy::assemble(
+            config,
+            self.limits.clone(),
+            self.metrics.clone(),
+            self.shared.clone(),
+        )
+    }
+
+    fn assemble(
+        config: &Config,
+        limits: Arc<Limits>,
+        metrics: Arc<Metrics>,
+        shared: Option<Arc<Shared>>,
+    ) -> Result<Proxy, ConfigError> {
+        let dialer = Dialer {
+            connect_timeout: config.proxy.connect_timeout.0,
+        };
+        let upstream =
+            Upstream::new(&config.proxy, dialer.clone()).map_err(|message| ConfigError::Other {
+                file: "proxy.ca_file".into(),
+                message,
+            })?;
         let tunnels = TaskTracker::new();
         let cut = CancellationToken::new();
         let dispatch = Dispatch(Arc::new(DispatchInner {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -39,19 +39,127 @@ pub async fn run_with_admin(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConfigError> {
+    let sockets = Sockets {
+        first: listener,
+        others: Vec::new(),
+    };
+    serve_threads(sockets, admin, config, shutdown).await
+}
+
+/// The proxy's listening sockets, one per serving thread, all on one address
+/// (`SO_REUSEPORT`: the kernel spreads new connections over them).
+pub struct Sockets {
+    /// Served by the thread that calls [`serve_threads`].
+    first: TcpListener,
+    /// One per further thread; registered with that thread's runtime once it runs.
+    others: Vec<std::net::TcpListener>,
+}
+
+impl Sockets {
+    /// Listens on `addr` with `threads` sockets (at least one). Call it inside the
+    /// runtime that will call [`serve_threads`]. All sockets listen when this returns,
+    /// so connections that arrive before the threads run wait in their own socket's
+    /// queue.
+    pub fn listen(addr: SocketAddr, threads: usize) -> std::io::Result<Sockets> {
+        let shared = threads > 1;
+        let first = bind(addr, shared)?;
+        // With port 0 the first socket chose the port; the others take the same.
+        let addr = first.local_addr()?;
+        let others = (1..threads)
+            .map(|_| bind(addr, shared)?.into_std())
+            .collect::<std::io::Result<_>>()?;
+        Ok(Sockets { first, others })
+    }
+
+    /// The address they listen on.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.first.local_addr()
+    }
+}
+
+/// Binds one listening socket, shareable with `reuse_port`.
+fn bind(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    // As `TcpListener::bind` does: a restart need not wait for old connections' TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Like [`run_with_admin`], with one thread per socket: the caller's (best a
+/// single-threaded runtime) serves the first, and each further socket gets a thread
+/// with a single-threaded runtime and a [`Proxy::sibling`] of its own. Returns once
+/// every thread has drained.
+///
+/// Why threads that share nothing but the budgets: on tokio's multi-threaded runtime a
+/// request's client connection, its upstream connection and the pool's tasks wake each
+/// other across threads (0.7 futex calls per request under load); a thread that serves
+/// its connections from accept to response does not, and spends less CPU per request
+/// (BENCHMARKS.md, "Performance against peers"). Groups, metrics and the shared store
+/// are one for all threads, so every limit holds across them; upstream connection pools
+/// are per thread.
+pub async fn serve_threads(
+    sockets: Sockets,
+    admin: Option<TcpListener>,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ConfigError> {
     let proxy = Arc::new(Proxy::new(&config)?);
-    proxy.start_background();
     let stop = CancellationToken::new();
+    let mut others = Vec::new();
+    for (thread, socket) in (1..).zip(sockets.others) {
+        let sibling = Arc::new(proxy.sibling(&config)?);
+        let settings = config.proxy.clone();
+        let stopped = stop.clone().cancelled_owned();
+        let (finished, done) = tokio::sync::oneshot::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name(format!("tollgate-{thread}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the tokio runtime starts");
+                runtime.block_on(async move {
+                    match TcpListener::from_std(socket) {
+                        Ok(listener) => serve(listener, sibling, &settings, stopped).await,
+                        // Only if epoll refuses a socket; the other threads go on.
+                        Err(e) => {
+                            tracing::error!(thread, error = %e, "serving thread cannot accept")
+                        }
+                    }
+                });
+                drop(finished);
+            })
+            .expect("a serving thread starts");
+        others.push((handle, done));
+    }
+
+    proxy.start_background();
     if let Some(admin) = admin {
-        let stop = stop.clone();
         tokio::spawn(crate::admin::serve(
             admin,
             proxy.clone(),
-            stop.cancelled_owned(),
+            stop.clone().cancelled_owned(),
         ));
     }
-    serve(listener, proxy, &config.proxy, shutdown).await;
+    let shutdown = async {
+        shutdown.await;
+        // Every thread stops accepting at once, and drains on its own.
+        stop.cancel();
+    };
+    serve(sockets.first, proxy, &config.proxy, shutdown).await;
     stop.cancel();
+    for (handle, done) in others {
+        // `done` closes when the thread's runtime has finished; join is then immediate.
+        let _ = done.await;
+        let _ = handle.join();
+    }
     Ok(())
 }
 
