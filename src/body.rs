@@ -3,6 +3,9 @@
 //! Request and response bodies stream: an `Incoming` body from hyper is boxed, not
 //! collected, so a 200 MB upload or download passes with flat memory.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
@@ -73,4 +76,47 @@ pub async fn read_up_to(mut body: Body, limit: u64) -> Result<Buffered, BoxError
         1 => chunks.pop().expect("one chunk"),
         _ => chunks.concat().into(),
     }))
+}
+
+pin_project_lite::pin_project! {
+    /// A body that holds a value (a concurrency permit, a stream's place) until the body
+    /// ends or fails, or is dropped, whichever comes first.
+    pub struct Holding<T> {
+        #[pin]
+        inner: Body,
+        held: Option<T>,
+    }
+}
+
+impl<T> Holding<T> {
+    /// `inner`, holding `held` until it ends (an empty body lets go at once).
+    pub fn new(inner: Body, held: T) -> Self {
+        let held = (!http_body::Body::is_end_stream(&inner)).then_some(held);
+        Holding { inner, held }
+    }
+}
+
+impl<T> http_body::Body for Holding<T> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            this.held.take();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }

@@ -116,8 +116,9 @@ pub struct ProxyConfig {
     pub connect_timeout: Dur,
     /// Longest time from sending a request upstream to receiving its response head.
     pub response_timeout: Dur,
-    /// Longest time a client may take to send a request head; on HTTP/1.1 this is also
-    /// how long an idle keep-alive connection from a client is kept open.
+    /// Longest time a client may take to send a request head; it is also how long a
+    /// client connection with no request open is kept (HTTP/1.1 keep-alive, and HTTP/2,
+    /// which gets a GOAWAY and is dropped after as long again if still idle).
     pub client_header_timeout: Dur,
     /// How long an idle pooled connection to an upstream is kept for reuse.
     pub upstream_idle_timeout: Dur,

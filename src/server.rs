@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::body::{self, Holding};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
 
@@ -275,19 +276,19 @@ impl Client {
             return;
         };
         let (proxy, local, remote) = (self.proxy, self.local, self.remote);
-        let service = service_fn(move |req| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
-        });
         let io = TokioIo::new(stream);
         let ended = match version {
             Sniffed::Http2 => {
                 // Boxed: an HTTP/2 connection is twice the size of an HTTP/1 one, and
                 // inline it would size every client connection's task.
-                let conn = self.protocols.http2.serve_connection(io, service);
-                Box::pin(until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut)).await
+                let serving = serve_http2(&self.protocols, io, proxy, local, &drain, &cut);
+                Box::pin(serving).await
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
+                let service = service_fn(move |req| {
+                    let proxy = proxy.clone();
+                    async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
+                });
                 let conn = self
                     .protocols
                     .http1
@@ -302,6 +303,103 @@ impl Client {
                 tracing::debug!(%remote, error = %e, "client connection ended with an error")
             }
             None => tracing::debug!(%remote, "connection cut at shutdown"),
+        }
+    }
+}
+
+/// Serves an HTTP/2 connection until it ends. hyper's HTTP/2 server has no header
+/// timeout, so `client_header_timeout` is kept here: once no request has been open on
+/// the connection for that long, it is closed gracefully (GOAWAY), as HTTP/1 closes an
+/// idle keep-alive connection, and dropped if the client still holds it idle after as
+/// long again. A client that opens the connection and sends nothing cannot hold it.
+async fn serve_http2(
+    protocols: &Protocols,
+    io: TokioIo<TcpStream>,
+    proxy: Arc<Proxy>,
+    local: SocketAddr,
+    drain: &CancellationToken,
+    cut: &CancellationToken,
+) -> Option<Result<(), hyper::Error>> {
+    let idle = Arc::new(Idle::new());
+    let service = {
+        let idle = idle.clone();
+        service_fn(move |req| {
+            let proxy = proxy.clone();
+            let stream = Idle::opened(&idle);
+            async move {
+                let response = proxy.handle(req, local).await;
+                // The stream is open until its response body has been sent.
+                Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, stream))))
+            }
+        })
+    };
+    let conn = protocols.http2.serve_connection(io, service);
+    // Its own drain token, so that an idle close does not touch other connections.
+    let drain = drain.child_token();
+    let serving = until_closed(conn, |c| c.graceful_shutdown(), &drain, cut);
+    let limit = protocols.sniff_within;
+    let watch = async {
+        idle.for_at_least(limit).await;
+        // GOAWAY: the client should finish and close. hyper waits for the ping that
+        // confirms it; a client that does not answer is closed once it has stayed idle
+        // for another `limit`.
+        drain.cancel();
+        tokio::time::sleep(limit).await;
+        idle.for_at_least(limit).await;
+    };
+    tokio::select! {
+        ended = serving => ended,
+        () = watch => {
+            tracing::debug!("closed an idle HTTP/2 connection that ignored GOAWAY");
+            Some(Ok(()))
+        }
+    }
+}
+
+/// How many requests are open on one HTTP/2 connection, and since when none has been.
+struct Idle(std::sync::Mutex<(usize, Instant)>);
+
+/// One open request of an [`Idle`]-watched connection; closing it is dropping it.
+struct OpenStream(Arc<Idle>);
+
+impl Idle {
+    fn new() -> Idle {
+        Idle(std::sync::Mutex::new((0, Instant::now())))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Instant)> {
+        // Two plain numbers: valid after any panic of a holder.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn opened(this: &Arc<Idle>) -> OpenStream {
+        this.lock().0 += 1;
+        OpenStream(this.clone())
+    }
+
+    /// Resolves once no request has been open for `limit`.
+    async fn for_at_least(&self, limit: Duration) {
+        loop {
+            let (open, since) = *self.lock();
+            let wake = match open {
+                0 if since.elapsed() >= limit => return,
+                0 => since + limit,
+                // Busy: look again later (it cannot go idle for `limit` sooner).
+                _ => Instant::now() + limit,
+            };
+            tokio::time::sleep_until(wake).await;
+        }
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.0 -= 1;
+        if state.0 == 0 {
+            state.1 = Instant::now();
         }
     }
 }

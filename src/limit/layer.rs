@@ -9,14 +9,12 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Method, Request, Response};
-use http_body::Frame;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
 use super::{Group, Permit};
-use crate::body::{self, Body, BoxError};
+use crate::body::{self, Body, Holding};
 use crate::classify::Target;
 use crate::error::ProxyError;
 
@@ -115,7 +113,9 @@ where
                 return inner.call(req).await;
             }
             let response = inner.call(req).await?;
-            Ok(response.map(|b| body::boxed(PermitBody::new(b, permit))))
+            // The permit is held until the response body ends: the exchange with the upstream
+            // is over then, whenever hyper gets round to dropping the body.
+            Ok(response.map(|b| body::boxed(Holding::new(b, permit))))
         })
     }
 }
@@ -126,46 +126,3 @@ where
 /// higher-ranked reasoning), and re-boxing it to erase the type cost an allocation per
 /// layer per request.
 pub type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
-
-pin_project_lite::pin_project! {
-    /// A response body that holds the request's permit until it ends.
-    struct PermitBody {
-        #[pin]
-        inner: Body,
-        permit: Option<Permit>,
-    }
-}
-
-impl PermitBody {
-    fn new(inner: Body, permit: Permit) -> Self {
-        let permit = (!http_body::Body::is_end_stream(&inner)).then_some(permit);
-        PermitBody { inner, permit }
-    }
-}
-
-impl http_body::Body for PermitBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        let polled = this.inner.poll_frame(cx);
-        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-            // The exchange with the upstream is over: free the slot now rather than
-            // when hyper gets round to dropping the body.
-            this.permit.take();
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
