@@ -166,6 +166,43 @@ def start_upstream(children, port, outfile, log):
     return proc
 
 
+def start_nginx(children, port, workdir, log):
+    """A fast loopback upstream (Debian's nginx, one worker) answering 200 "ok" on
+    127.0.0.1:`port`, for measurements where the Python upstream would be the limit."""
+    conf = Path(workdir) / f"nginx-{port}.conf"
+    conf.write_text(
+        f"""worker_processes 1;
+daemon off;
+pid {workdir}/nginx-{port}.pid;
+error_log {workdir}/nginx-{port}.err;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    keepalive_requests 1000000;
+    server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok\\n"; }} }}
+}}
+"""
+    )
+    proc = children.start(["nginx", "-c", str(conf)], log)
+    wait_for_port(port, proc)
+    return proc
+
+
+def wrk_rps(proxy_port, url, seconds, workdir, connections=16):
+    """Requests per second of `wrk -t1` sending absolute-form GETs of `url` through the
+    proxy on `proxy_port`; fails on any non-2xx answer or socket error."""
+    script = Path(workdir) / "absolute-form.lua"
+    script.write_text(f'wrk.path = "{url}"\n')
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script),
+         f"http://127.0.0.1:{proxy_port}"],
+        capture_output=True, text=True, timeout=seconds + 30, check=True,
+    ).stdout
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise RuntimeError(f"wrk saw errors:\n{out}")
+    return float(out.split("Requests/sec:")[1].split()[0])
+
+
 def start_tollgate(children, config_text, workdir, listen_port, admin_port, log):
     config = Path(workdir) / "tollgate.toml"
     config.write_text(config_text)
