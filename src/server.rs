@@ -11,6 +11,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::{Method, Request};
+use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -22,6 +24,7 @@ use tokio_util::task::TaskTracker;
 use crate::body::{self, Holding};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
+use crate::tunnel::KeepWhileOpen;
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
 /// drains in-flight requests and tunnels for up to `proxy.shutdown_grace`.
@@ -113,6 +116,9 @@ pub async fn serve_threads(
 ) -> Result<(), ConfigError> {
     let proxy = Arc::new(Proxy::new(&config)?);
     let stop = CancellationToken::new();
+    // However this function ends (an error after some threads started, included), the
+    // threads it started stop serving.
+    let _stop_at_exit = stop.clone().drop_guard();
     let mut others = Vec::new();
     for (thread, socket) in (1..).zip(sockets.others) {
         let sibling = Arc::new(proxy.sibling(&config)?);
@@ -271,7 +277,7 @@ impl Client {
     /// socket: hyper's read buffer then grows to 16 KiB on the very first request, which
     /// every waiting client connection paid (BENCHMARKS.md, "Queue memory").
     async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
-        let Some(version) = sniff_stream(&stream, self.protocols.sniff_within).await else {
+        let Some(version) = sniff_stream(&stream, self.protocols.sniff_within, &drain).await else {
             tracing::debug!(remote = %self.remote, "client sent no request");
             return;
         };
@@ -323,9 +329,13 @@ async fn serve_http2(
     let idle = Arc::new(Idle::new());
     let service = {
         let idle = idle.clone();
-        service_fn(move |req| {
+        service_fn(move |mut req: Request<Incoming>| {
             let proxy = proxy.clone();
-            let stream = Idle::opened(&idle);
+            let stream = Arc::new(Idle::opened(&idle));
+            if req.method() == Method::CONNECT {
+                // A tunnel is an open stream until it closes, long after its `200`.
+                req.extensions_mut().insert(KeepWhileOpen(stream.clone()));
+            }
             async move {
                 let response = proxy.handle(req, local).await;
                 // The stream is open until its response body has been sent.
@@ -449,25 +459,43 @@ fn sniff(first: &[u8]) -> Sniffed {
     }
 }
 
+/// Looks for the rest of a partial HTTP/2 preface this many times, waiting twice as long
+/// each time from [`FIRST_LOOK_AGAIN`] (≈ 300 ms in all), then lets HTTP/1 answer it. A
+/// peek sees the same bytes until more arrive (or after the client has closed), so the
+/// looks must be few and spaced: a client that sends "P" and stalls costs five timer
+/// wake-ups, not a busy loop.
+const LOOKS_AGAIN: u32 = 5;
+const FIRST_LOOK_AGAIN: Duration = Duration::from_millis(10);
+
 /// Peeks at the first bytes of `stream` (leaving them for hyper) until they tell the
-/// HTTP version. `None` when the client closes or stays silent for `within`; a preface
-/// still incomplete then is served as HTTP/1, which answers it with an error.
-async fn sniff_stream(stream: &TcpStream, within: Duration) -> Option<Sniffed> {
+/// HTTP version. `None` when the client closes, stays silent for `within`, or shutdown
+/// begins first (`drain`: nothing was asked yet, so nothing is lost); a preface still
+/// incomplete after a few looks is served as HTTP/1, which answers it with an error.
+async fn sniff_stream(
+    stream: &TcpStream,
+    within: Duration,
+    drain: &CancellationToken,
+) -> Option<Sniffed> {
     let give_up = Instant::now() + within;
     let mut first = [0u8; H2_PREFACE.len()];
-    loop {
-        let seen = match tokio::time::timeout_at(give_up, stream.peek(&mut first)).await {
-            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
-            Ok(Ok(seen)) => seen,
+    let mut wait = FIRST_LOOK_AGAIN;
+    for _ in 0..=LOOKS_AGAIN {
+        let seen = tokio::select! {
+            peeked = tokio::time::timeout_at(give_up, stream.peek(&mut first)) => match peeked {
+                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+                Ok(Ok(seen)) => seen,
+            },
+            _ = drain.cancelled() => return None,
         };
         match sniff(&first[..seen]) {
-            // A peek returns at once while bytes are waiting, so wait before the next.
-            Sniffed::NeedMore if Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(5)).await
+            Sniffed::NeedMore => {
+                tokio::time::sleep(wait).await;
+                wait *= 2;
             }
             decided => return Some(decided),
         }
     }
+    Some(Sniffed::NeedMore)
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@
 //! copied both ways until either side closes. Tunnels outlive the HTTP exchange, so they
 //! run on a [`TaskTracker`] that shutdown waits for.
 
+use std::any::Any;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
@@ -19,9 +21,17 @@ use crate::classify::Target;
 use crate::error::ProxyError;
 use crate::upstream::Dialer;
 
+/// Something the client's connection needs kept alive while a tunnel opened on it is
+/// open: an HTTP/2 connection counts its open streams to close itself when idle, and a
+/// tunnel is an open stream long after its `200` (see `server.rs`). The server puts it
+/// in the CONNECT request's extensions; the tunnel holds it until it closes.
+#[derive(Clone)]
+pub struct KeepWhileOpen(pub Arc<dyn Any + Send + Sync>);
+
 /// Dials the target, answers `200`, and spawns the copy loop on `tunnels`. `hold` is
-/// kept alive until the tunnel closes (the throttle layer's concurrency permit); `cut`
-/// closes the tunnel at once (shutdown after `shutdown_grace`).
+/// kept alive until the tunnel closes (the throttle layer's concurrency permit), and so
+/// is the request's [`KeepWhileOpen`], if any; `cut` closes the tunnel at once
+/// (shutdown after `shutdown_grace`).
 pub async fn open<H: Send + 'static>(
     dialer: &Dialer,
     tunnels: &TaskTracker,
@@ -32,10 +42,11 @@ pub async fn open<H: Send + 'static>(
 ) -> Result<Response<Body>, ProxyError> {
     let mut upstream = dialer.dial(&target.host, target.port).await?;
     let on_upgrade = hyper::upgrade::on(&mut req);
+    let keep = req.extensions_mut().remove::<KeepWhileOpen>();
     let authority = format!("{}:{}", target.host, target.port);
     let cut = cut.clone();
     tunnels.spawn(async move {
-        let _hold = hold;
+        let _hold = (hold, keep);
         match on_upgrade.await {
             Ok(upgraded) => {
                 tokio::select! {

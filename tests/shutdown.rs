@@ -142,6 +142,23 @@ async fn idle_keep_alive_client_does_not_hold_up_shutdown() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_sent_nothing_does_not_hold_up_shutdown() {
+    // A health check's TCP connect, a browser's preconnect: connected, nothing sent yet.
+    // It has asked nothing, so shutdown closes it at once instead of waiting an hour.
+    let proxy =
+        start_proxy("[proxy]\nshutdown_grace = \"1h\"\nclient_header_timeout = \"1h\"\n").await;
+    let mut silent = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    // Once the proxy has accepted it (the version peek is waiting), shut down.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.shutdown().await;
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(BOUND, silent.read(&mut byte))
+        .await
+        .expect("the proxy closed the silent connection");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnels_still_open_after_the_grace_period_are_closed() {
     let upstream = Upstream::echo().await;
     let proxy = start_proxy("[proxy]\nconnect_ports = [\"*\"]\nshutdown_grace = \"500ms\"\n").await;

@@ -151,3 +151,61 @@ async fn curl_proxytunnel_to_plain_http() {
     assert!(seen[0].header("via").is_none());
     proxy.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_http2_tunnel_outlives_the_idle_close() {
+    // HTTP/2 connections with no request open are closed after client_header_timeout;
+    // a CONNECT stream is open for as long as its tunnel, long after its `200`.
+    use http_body_util::Empty;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
+    let proxy =
+        start_proxy("[proxy]\nconnect_ports = [\"*\"]\nclient_header_timeout = \"300ms\"\n").await;
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let connect = http::Request::connect(upstream.authority())
+        .body(Empty::new())
+        .unwrap();
+    let resp = send.send_request(connect).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut tunnel = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+
+    // Plain HTTP/1.1 through the tunnel, before and after three idle timeouts.
+    let mut answers = Vec::new();
+    for path in ["/before", "/after"] {
+        if path == "/after" {
+            tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+        }
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n",
+            upstream.authority()
+        );
+        tunnel.write_all(request.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !got.ends_with(format!("saw {path}").as_bytes()) {
+            let n = tokio::time::timeout(BOUND, tunnel.read(&mut chunk))
+                .await
+                .expect("an answer through the tunnel")
+                .unwrap_or_else(|e| panic!("{path}: the tunnel broke: {e}"));
+            assert!(n > 0, "{path}: the tunnel closed");
+            got.extend_from_slice(&chunk[..n]);
+        }
+        answers.push(String::from_utf8_lossy(&got).into_owned());
+    }
+    assert!(answers[0].starts_with("HTTP/1.1 200"), "{answers:?}");
+    // One tunnel: both requests came on one upstream connection.
+    let seen = upstream.requests();
+    let got: Vec<_> = seen.iter().map(|s| (s.path.as_str(), s.conn)).collect();
+    assert_eq!(got, [("/before", seen[0].conn), ("/after", seen[0].conn)]);
+    drop(tunnel);
+    proxy.shutdown().await;
+}
