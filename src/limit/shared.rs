@@ -15,6 +15,12 @@
 //! Keys are `<prefix>{<group>}:...` (the braces keep a group's keys in one Redis Cluster
 //! slot) and expire when idle.
 //!
+//! All Redis I/O runs on the store's own runtime, on a thread of its own ([`Shared`]'s
+//! `runtime`): redis-rs drives a connection from a task of the runtime that first uses
+//! it (and again after each reconnect), and tollgate has one runtime per serving thread.
+//! On a serving thread's runtime, that thread's load would delay every thread's answers,
+//! and when it stopped first at shutdown the others' calls would fail.
+//!
 //! Redis down, slow or unreachable: a call that fails or takes longer than `timeout`
 //! marks the store down (logged once, `tollgate_backend_up 0`); while down, requests do
 //! not wait for Redis at all and limits are enforced locally at rate / replicas (or
@@ -30,6 +36,8 @@ use std::time::Duration;
 use prometheus_client::metrics::gauge::Gauge;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
 
 use super::gcra::Gcra;
 use crate::config::{BackendConfig, OnBackendError};
@@ -118,6 +126,10 @@ pub struct Reservation {
 
 /// The connection to Redis and what this replica knows about it.
 pub struct Shared {
+    /// Where every Redis call runs (see the module documentation).
+    runtime: Handle,
+    /// Dropped with the store: its runtime's thread then ends.
+    _stop_runtime: oneshot::Sender<()>,
     conn: ConnectionManager,
     prefix: String,
     timeout: Duration,
@@ -133,10 +145,10 @@ pub struct Shared {
     next_lease: AtomicU64,
     /// Held leases (id → lease set key), renewed by the heartbeat.
     leases: Mutex<HashMap<String, String>>,
-    reserve: Script,
-    pause: Script,
-    lease: Script,
-    heartbeat: Script,
+    reserve: Arc<Script>,
+    pause: Arc<Script>,
+    lease: Arc<Script>,
+    heartbeat: Arc<Script>,
 }
 
 impl Shared {
@@ -153,6 +165,7 @@ impl Shared {
             .set_max_delay(Duration::from_secs(1));
         let conn = ConnectionManager::new_lazy_with_config(client, manager)
             .map_err(|e| format!("backend.url {:?}: {e}", url.0))?;
+        let (runtime, _stop_runtime) = start_runtime()?;
         let up_gauge = Gauge::default();
         up_gauge.set(1);
         metrics.register(|registry| {
@@ -163,6 +176,8 @@ impl Shared {
             );
         });
         Ok(Arc::new(Shared {
+            runtime,
+            _stop_runtime,
             conn,
             prefix: config.key_prefix.clone(),
             timeout,
@@ -174,10 +189,10 @@ impl Shared {
             id: replica_id(),
             next_lease: AtomicU64::new(0),
             leases: Mutex::new(HashMap::new()),
-            reserve: Script::new(RESERVE),
-            pause: Script::new(PAUSE),
-            lease: Script::new(LEASE),
-            heartbeat: Script::new(HEARTBEAT_SCRIPT),
+            reserve: Arc::new(Script::new(RESERVE)),
+            pause: Arc::new(Script::new(PAUSE)),
+            lease: Arc::new(Script::new(LEASE)),
+            heartbeat: Arc::new(Script::new(HEARTBEAT_SCRIPT)),
         }))
     }
 
@@ -200,15 +215,26 @@ impl Shared {
         if !self.is_up() {
             return None;
         }
-        let mut call = self.reserve.prepare_invoke();
-        call.key(self.key(group, "pause")).arg(cost);
-        for (i, rate) in rates.iter().enumerate() {
-            call.key(self.key(group, &format!("rate:{i}")))
-                .arg(rate.interval.as_micros() as u64)
-                .arg(rate.tolerance.as_micros() as u64);
-        }
-        let mut conn = self.conn.clone();
-        let (wait, paused): (i64, i64) = self.call(call.invoke_async(&mut conn)).await?;
+        let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
+        let pause_key = self.key(group, "pause");
+        let rate_keys: Vec<(String, u64, u64)> = rates
+            .iter()
+            .enumerate()
+            .map(|(i, rate)| {
+                let key = self.key(group, &format!("rate:{i}"));
+                let interval = rate.interval.as_micros() as u64;
+                (key, interval, rate.tolerance.as_micros() as u64)
+            })
+            .collect();
+        let booked = self.call(async move {
+            let mut call = script.prepare_invoke();
+            call.key(pause_key).arg(cost);
+            for (key, interval, tolerance) in rate_keys {
+                call.key(key).arg(interval).arg(tolerance);
+            }
+            call.invoke_async::<(i64, i64)>(&mut conn).await
+        });
+        let (wait, paused) = booked.await?;
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
         Some(Reservation {
             wait: micros(wait),
@@ -221,11 +247,15 @@ impl Shared {
         if !self.is_up() {
             return;
         }
-        let mut call = self.pause.prepare_invoke();
-        call.key(self.key(group, "pause"))
-            .arg(pause.as_micros() as u64);
-        let mut conn = self.conn.clone();
-        let _: Option<i64> = self.call(call.invoke_async(&mut conn)).await;
+        let (script, mut conn) = (self.pause.clone(), self.conn.clone());
+        let key = self.key(group, "pause");
+        let _: Option<i64> = self
+            .call(async move {
+                let mut call = script.prepare_invoke();
+                call.key(key).arg(pause.as_micros() as u64);
+                call.invoke_async(&mut conn).await
+            })
+            .await;
     }
 
     /// Tries to take one of `limit` concurrency leases of `group`: `Some(Some(lease))`
@@ -240,13 +270,18 @@ impl Shared {
             self.next_lease.fetch_add(1, Ordering::Relaxed)
         );
         let set = self.key(group, "leases");
-        let mut call = self.lease.prepare_invoke();
-        call.key(&set)
-            .arg(&id)
-            .arg(limit)
-            .arg(LEASE_TTL.as_millis() as u64);
-        let mut conn = self.conn.clone();
-        let taken: i64 = self.call(call.invoke_async(&mut conn)).await?;
+        let (script, mut conn) = (self.lease.clone(), self.conn.clone());
+        let (key, member) = (set.clone(), id.clone());
+        let taken: i64 = self
+            .call(async move {
+                let mut call = script.prepare_invoke();
+                call.key(key)
+                    .arg(member)
+                    .arg(limit)
+                    .arg(LEASE_TTL.as_millis() as u64);
+                call.invoke_async(&mut conn).await
+            })
+            .await?;
         if taken != 1 {
             return Some(None);
         }
@@ -265,7 +300,7 @@ impl Shared {
     /// probe that brings it back. Ends when the store is dropped.
     pub fn spawn_maintenance(self: &Arc<Self>) {
         let weak: Weak<Shared> = Arc::downgrade(self);
-        tokio::spawn(async move {
+        self.runtime.spawn(async move {
             let mut last_beat = tokio::time::Instant::now() - HEARTBEAT;
             loop {
                 let Some(shared) = weak.upgrade() else { return };
@@ -281,6 +316,7 @@ impl Shared {
         });
     }
 
+    /// Runs on the store's runtime (from the maintenance task).
     async fn probe(&self) {
         let mut conn = self.conn.clone();
         let ping = redis::cmd("PING");
@@ -298,33 +334,49 @@ impl Shared {
             .iter()
             .map(|(id, set)| (id.clone(), set.clone()))
             .collect();
-        let mut call = self.heartbeat.prepare_invoke();
-        call.key(format!("{}replicas", self.prefix))
-            .arg(&self.id)
-            .arg(REPLICA_TTL.as_millis() as u64)
-            .arg(LEASE_TTL.as_millis() as u64);
-        for (id, set) in &leases {
-            call.key(set).arg(id);
-        }
-        let mut conn = self.conn.clone();
-        if let Some(alive) = self.call(call.invoke_async::<u32>(&mut conn)).await {
+        let (script, mut conn) = (self.heartbeat.clone(), self.conn.clone());
+        let (replicas, me) = (format!("{}replicas", self.prefix), self.id.clone());
+        let beat = self.call(async move {
+            let mut call = script.prepare_invoke();
+            call.key(replicas)
+                .arg(me)
+                .arg(REPLICA_TTL.as_millis() as u64)
+                .arg(LEASE_TTL.as_millis() as u64);
+            for (id, set) in leases {
+                call.key(set).arg(id);
+            }
+            call.invoke_async::<u32>(&mut conn).await
+        });
+        if let Some(alive) = beat.await {
             self.replicas_seen.store(alive.max(1), Ordering::Relaxed);
         }
     }
 
-    /// Runs one Redis call within `timeout`; a failure marks the store down.
-    async fn call<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Option<T> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(value)) => {
+    /// Runs one Redis call on the store's runtime within `timeout`, from any thread; a
+    /// failure marks the store down.
+    async fn call<T: Send + 'static>(
+        &self,
+        call: impl Future<Output = redis::RedisResult<T>> + Send + 'static,
+    ) -> Option<T> {
+        let timeout = self.timeout;
+        let answer = self
+            .runtime
+            .spawn(async move { tokio::time::timeout(timeout, call).await });
+        match answer.await {
+            Ok(Ok(Ok(value))) => {
                 self.succeeded();
                 Some(value)
             }
-            Ok(Err(e)) => {
+            Ok(Ok(Err(e))) => {
                 self.failed(&e.to_string());
                 None
             }
-            Err(_) => {
-                self.failed(&format!("no answer within {:?}", self.timeout));
+            Ok(Err(_)) => {
+                self.failed(&format!("no answer within {timeout:?}"));
+                None
+            }
+            Err(e) => {
+                self.failed(&format!("the store's runtime stopped: {e}"));
                 None
             }
         }
@@ -375,17 +427,33 @@ impl Drop for Lease {
             .remove(&self.id);
         // Give the lease back now rather than let it expire; if Redis is unreachable
         // it expires within LEASE_TTL anyway.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (shared, id, set) = (self.shared.clone(), self.id.clone(), self.set.clone());
-            runtime.spawn(async move {
-                let mut conn = shared.conn.clone();
-                let mut zrem = redis::cmd("ZREM");
-                zrem.arg(&set).arg(&id);
-                let _ =
-                    tokio::time::timeout(shared.timeout, zrem.query_async::<i64>(&mut conn)).await;
-            });
-        }
+        let (mut conn, timeout) = (self.shared.conn.clone(), self.shared.timeout);
+        let mut zrem = redis::cmd("ZREM");
+        zrem.arg(&self.set).arg(&self.id);
+        self.shared.runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, zrem.query_async::<i64>(&mut conn)).await;
+        });
     }
+}
+
+/// Starts the store's runtime on a thread of its own; the thread ends when the returned
+/// sender is dropped (with the store).
+fn start_runtime() -> Result<(Handle, oneshot::Sender<()>), String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the Redis store's runtime: {e}"))?;
+    let handle = runtime.handle().clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("tollgate-redis".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                let _ = stopped.await;
+            })
+        })
+        .map_err(|e| format!("cannot start the Redis store's thread: {e}"))?;
+    Ok((handle, stop))
 }
 
 /// A name for this replica that is unique across machines and restarts.
