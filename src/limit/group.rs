@@ -439,7 +439,11 @@ impl Group {
             if !booked {
                 let (at, is_booking) = self.pace(cost, now).await?;
                 booked = is_booking;
-                if at > now {
+                // Against the clock now, not `now`: a booking in the shared store is a
+                // round trip, and its "leave at once" comes back as the time the answer
+                // arrived, after `now`. Compared with `now`, every booking slept on
+                // tokio's 1 ms timer first: 1.3 ms per request, per group, one at a time.
+                if at > Instant::now() {
                     tokio::time::sleep_until(at).await;
                     continue;
                 }
