@@ -226,7 +226,14 @@ pub async fn serve(
     drop(listener);
 
     let grace = settings.shutdown_grace.0;
-    tracing::info!(connections = connections.len(), grace = %humantime::format_duration(grace), "shutting down");
+    // One line per serving thread, each about its own connections.
+    let thread = std::thread::current();
+    tracing::info!(
+        thread = thread.name().unwrap_or("main"),
+        connections = connections.len(),
+        grace = %humantime::format_duration(grace),
+        "shutting down"
+    );
     drain.cancel();
     connections.close();
     proxy.tunnels().close();
