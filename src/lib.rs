@@ -15,7 +15,8 @@
 //! * [`limit`] — groups, GCRA rates, the FIFO queue and concurrency permits, as a tower
 //!   layer ([`limit::layer`]);
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
-//! * [`upstream`] — pooled hyper client over rustls, timeouts, hop-by-hop headers;
+//! * [`upstream`] — hyper connections over rustls, pooled per serving thread, timeouts,
+//!   hop-by-hop headers;
 //! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209).
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with

@@ -494,3 +494,63 @@ async fn via_keeps_earlier_proxies() {
     assert_eq!(out.header_all("via"), ["1.1 origin-cdn", "1.1 tollgate"]);
     proxy.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
+    // An upstream that closes every connection after answering, without saying so
+    // (no `Connection: close`): a pooled connection is dead by the next request. The
+    // pool must not hand it out (or must send again when the request never went out),
+    // and no request may reach the upstream twice.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (connections, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let counts = (connections.clone(), requests.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            counts.0.fetch_add(1, Ordering::SeqCst);
+            let requests = counts.1.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                requests.fetch_add(1, Ordering::SeqCst);
+                let _ = socket
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+                // Dropped here: closed without a word.
+            });
+        }
+    });
+    let proxy = start_proxy("").await;
+    let client = reqwest_via(&proxy, None);
+    for i in 0..10 {
+        let resp = client
+            .get(format!("http://{addr}/{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "request {i}");
+        assert_eq!(resp.text().await.unwrap(), "ok");
+        // Give the close time to arrive before the next request, as in real life.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        10,
+        "each request reached the upstream once"
+    );
+    assert_eq!(connections.load(Ordering::SeqCst), 10);
+    proxy.shutdown().await;
+}

@@ -1,10 +1,11 @@
 //! The last step: sending a request to its upstream and streaming the answer back.
 //!
 //! Connections are made by [`Dialer`] (DNS, TCP, `connect_timeout`), wrapped in rustls
-//! by hyper-rustls (h2 offered by ALPN), and pooled by hyper-util's client, so repeated
-//! requests to one upstream reuse connections. The dialer is ours rather than hyper-util's
-//! `HttpConnector` because its errors are typed ([`ProxyError::Dns`],
-//! [`ProxyError::ConnectionRefused`], ...) and CONNECT tunnels share it.
+//! by hyper-rustls (h2 offered by ALPN), and kept for reuse in a pool of our own, one
+//! per serving thread (`pool.rs`), so repeated requests to one upstream reuse
+//! connections. The dialer is ours rather than hyper-util's `HttpConnector` because its
+//! errors are typed ([`ProxyError::Dns`], [`ProxyError::ConnectionRefused`], ...) and
+//! CONNECT tunnels share it.
 
 use std::future::Future;
 use std::io;
@@ -17,14 +18,16 @@ use std::time::Duration;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::Authority;
 use http::{Request, Response, Uri, Version};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tower::Service;
 
-use crate::body::{self, Body, BoxError};
+use crate::body::{Body, BoxError};
 use crate::config::ProxyConfig;
 use crate::error::ProxyError;
+use pool::Pool;
+
+mod pool;
 
 /// Headers that describe one connection, not the message; never forwarded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [HeaderName; 7] = [
@@ -182,7 +185,7 @@ impl Dialer {
     }
 }
 
-/// hyper-util's client asks its connector for a connection with a `Service<Uri>`.
+/// The connector is a `Service<Uri>` (the shape hyper-rustls wraps), called by the pool.
 impl Service<Uri> for Dialer {
     type Response = TokioIo<TcpStream>;
     type Error = ProxyError;
@@ -271,12 +274,12 @@ pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String
 /// Sends requests upstream over pooled connections; the leaf of the service stack.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<Connector, Body>,
+    pool: Pool,
     response_timeout: Duration,
 }
 
 impl Upstream {
-    /// Builds the pooled client from the `[proxy]` settings.
+    /// Builds the connector and an empty pool from the `[proxy]` settings.
     pub fn new(config: &ProxyConfig, dialer: Dialer) -> Result<Self, String> {
         let tls = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls_config(config.ca_file.as_deref())?)
@@ -287,13 +290,8 @@ impl Upstream {
             tls,
             timeout: config.connect_timeout.0,
         };
-        let client = Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(config.upstream_idle_timeout.0)
-            .build(connector);
         Ok(Upstream {
-            client,
+            pool: Pool::new(connector, config.upstream_idle_timeout.0),
             response_timeout: config.response_timeout.0,
         })
     }
@@ -312,34 +310,19 @@ impl Upstream {
         // The client side may have spoken h2 to us; the upstream side is chosen by ALPN.
         *req.version_mut() = Version::HTTP_11;
 
-        let response = tokio::time::timeout(self.response_timeout, self.client.request(req))
+        let response = tokio::time::timeout(self.response_timeout, self.pool.send(req))
             .await
             .map_err(|_| ProxyError::ResponseTimeout {
                 authority: authority_of(&uri),
                 after: self.response_timeout,
             })?
-            .map_err(|e| client_error(e, authority_of(&uri)))?;
+            .map_err(|e| upstream_error(e.as_ref(), authority_of(&uri)))?;
 
-        let (mut parts, incoming) = response.into_parts();
+        let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         add_via(&mut parts.headers, parts.version);
         parts.version = Version::HTTP_11;
-        Ok(Response::from_parts(parts, body::boxed(incoming)))
-    }
-}
-
-impl Service<Request<Body>> for Upstream {
-    type Response = Response<Body>;
-    type Error = ProxyError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let this = self.clone();
-        Box::pin(async move { this.send(req).await })
+        Ok(Response::from_parts(parts, body))
     }
 }
 
@@ -358,8 +341,10 @@ fn causes<'a>(
 
 /// Finds the most telling cause in a client error: our own [`ProxyError`] from the
 /// dialer, a rustls error from the handshake, or else the whole error text.
-fn client_error(err: hyper_util::client::legacy::Error, authority: String) -> ProxyError {
-    for cause in causes(&err) {
+/// The [`ProxyError`] for a failed exchange with `authority`: the connector's own (DNS,
+/// refused, timeout), TLS, or what hyper said.
+fn upstream_error(err: &(dyn std::error::Error + 'static), authority: String) -> ProxyError {
+    for cause in causes(err) {
         if let Some(found) = cause.downcast_ref::<ProxyError>() {
             return found.clone();
         }
@@ -373,7 +358,7 @@ fn client_error(err: hyper_util::client::legacy::Error, authority: String) -> Pr
             };
         }
     }
-    let reason = causes(&err)
+    let reason = causes(err)
         .map(|e| e.to_string())
         .collect::<Vec<_>>()
         .join(": ");
