@@ -3,8 +3,13 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 /// What every request that went through tollgate (and not around it) carries upstream.
 fn assert_proxied(seen: &Seen, upstream: &Upstream) {
@@ -495,16 +500,13 @@ async fn via_keeps_earlier_proxies() {
     proxy.shutdown().await;
 }
 
-#[tokio::test]
-async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
-    // An upstream that closes every connection after answering, without saying so
-    // (no `Connection: close`): a pooled connection is dead by the next request. The
-    // pool must not hand it out (or must send again when the request never went out),
-    // and no request may reach the upstream twice.
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
+/// An upstream written by hand, for answers the test upstream cannot give: each request
+/// head is answered with `answer(head)`'s bytes, then the connection is closed if it says
+/// so, else the next head is read (a request body is not read as such). Returns its
+/// address and the counts of connections and request heads it saw.
+async fn raw_upstream(
+    answer: fn(&str) -> (&'static [u8], bool),
+) -> (std::net::SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (connections, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -517,22 +519,37 @@ async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
             counts.0.fetch_add(1, Ordering::SeqCst);
             let requests = counts.1.clone();
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        continue;
+                    };
+                    let head: Vec<u8> = buf.drain(..end + 4).collect();
+                    requests.fetch_add(1, Ordering::SeqCst);
+                    let (reply, close) = answer(&String::from_utf8_lossy(&head));
+                    if socket.write_all(reply).await.is_err() || close {
+                        return;
                     }
                 }
-                requests.fetch_add(1, Ordering::SeqCst);
-                let _ = socket
-                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    .await;
-                // Dropped here: closed without a word.
             });
         }
     });
+    (addr, connections, requests)
+}
+
+#[tokio::test]
+async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
+    // An upstream that closes every connection after answering, without saying so
+    // (no `Connection: close`): a pooled connection is dead by the next request. The
+    // pool must not hand it out (or must send again when the request never went out),
+    // and no request may reach the upstream twice.
+    let (addr, connections, requests) =
+        raw_upstream(|_| (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", true)).await;
     let proxy = start_proxy("").await;
     let client = reqwest_via(&proxy, None);
     for i in 0..10 {
@@ -544,7 +561,7 @@ async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
         assert_eq!(resp.status(), 200, "request {i}");
         assert_eq!(resp.text().await.unwrap(), "ok");
         // Give the close time to arrive before the next request, as in real life.
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
         requests.load(Ordering::SeqCst),
@@ -552,5 +569,98 @@ async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
         "each request reached the upstream once"
     );
     assert_eq!(connections.load(Ordering::SeqCst), 10);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_connection_still_sending_a_request_body_is_not_reused() {
+    // The upstream refuses an upload at once (401, before its body), while the client
+    // has stalled its body: the response is complete but the connection is still busy
+    // sending. Another request must get a connection of its own, not wait behind it.
+    let (addr, connections, _) = raw_upstream(|head| {
+        if head.starts_with("POST") {
+            (
+                b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n",
+                false,
+            )
+        } else {
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false)
+        }
+    })
+    .await;
+    let proxy = start_proxy("[proxy]\nresponse_timeout = \"5s\"\n").await;
+    let mut upload = TcpStream::connect(proxy.addr).await.unwrap();
+    upload
+        .write_all(
+            format!(
+                "POST http://{addr}/upload HTTP/1.1\r\nHost: {addr}\r\n\
+                 Content-Length: 10000000\r\n\r\n0123456789"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+        let n = tokio::time::timeout(BOUND, upload.read(&mut chunk))
+            .await
+            .expect("the 401 arrives")
+            .unwrap();
+        assert!(n > 0, "the proxy closed the upload");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 401"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+
+    // The upload is still open and stalled; a GET to the same upstream goes through.
+    let resp = reqwest_via(&proxy, None)
+        .get(format!("http://{addr}/next"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        200,
+        "the GET waited behind the stalled upload"
+    );
+    assert_eq!(resp.text().await.unwrap(), "ok");
+    assert_eq!(connections.load(Ordering::SeqCst), 2);
+    drop(upload);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn connections_are_reused_after_responses_with_trailers() {
+    // hyper stops reading a response body at its trailers; the connection must still go
+    // back to the pool.
+    let (addr, connections, requests) = raw_upstream(|_| {
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-sum\r\n\r\n\
+              2\r\nok\r\n0\r\nx-sum: 1\r\n\r\n",
+            false,
+        )
+    })
+    .await;
+    let proxy = start_proxy("").await;
+    let client = reqwest_via(&proxy, None);
+    for i in 0..3 {
+        let resp = client
+            .get(format!("http://{addr}/{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.text().await.unwrap(), "ok");
+    }
+    assert_eq!(requests.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        1,
+        "each response's connection was reused"
+    );
     proxy.shutdown().await;
 }

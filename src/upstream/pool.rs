@@ -10,7 +10,9 @@
 //! the pool key twice, the checkout's lazily built connect future, an `Arc`ed pool
 //! behind a mutex shared by every thread), and it spawned a task per request to return
 //! the connection once its body ended. Here a checkout is a pop from a `Vec` under a
-//! lock only this thread takes. What it did that matters is kept: idle connections
+//! lock only this thread takes, and a connection is pooled only once it is ready for
+//! the next request (a task waits only in the rare case it is not when the response
+//! ends). What it did that matters is kept: idle connections
 //! expire after `upstream_idle_timeout`, and a request sent on a reused connection that
 //! the upstream closed meanwhile (before the request went out) is sent again on a new
 //! one.
@@ -130,7 +132,7 @@ impl Pool {
         let key =
             Key::of(&uri).ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
         loop {
-            let (conn, reused) = match self.inner.checkout(&key).await {
+            let (conn, reused) = match self.inner.checkout(&key) {
                 Some(conn) => (conn, true),
                 // Boxed: the TLS and HTTP/2 handshakes make this future many KiB, and
                 // inline it would be the size of every request's future, copied into
@@ -172,7 +174,7 @@ impl Pool {
 
 impl Inner {
     /// A connection to `key` that can take a request now, if one is pooled.
-    async fn checkout(&self, key: &Key) -> Option<Conn> {
+    fn checkout(&self, key: &Key) -> Option<Conn> {
         {
             let mut shared = lock(&self.shared);
             if let Some(entry) = shared.get_mut(key) {
@@ -187,14 +189,10 @@ impl Inner {
             // The most recently returned first: it is the least likely to have been
             // closed by the upstream, and the rest can expire.
             let idle = lock(&self.idle).get_mut(key)?.pop()?;
-            if idle.since.elapsed() >= self.idle_timeout || idle.sender.is_closed() {
-                continue; // dropped: hyper closes it
-            }
-            let mut sender = idle.sender;
-            // Returned when its last response body ended; hyper may not have marked it
-            // ready for the next request yet. An error: the upstream closed it.
-            if sender.ready().await.is_ok() {
-                return Some(Conn::Http1(sender));
+            // Only ready connections are pooled (see `give_back`); one that is not ready
+            // any more was closed by the upstream. Dropped: hyper closes it.
+            if idle.since.elapsed() < self.idle_timeout && idle.sender.is_ready() {
+                return Some(Conn::Http1(idle.sender));
             }
         }
     }
@@ -204,8 +202,12 @@ impl Inner {
         let mut connector = self.connector.clone();
         let io = connector.call(key.uri()).await?;
         let conn = if io.connected().is_negotiated_h2() {
+            // Pings, so that a connection the network dropped silently is noticed
+            // (without them it would stay "ready", and every request on it time out).
             let (sender, conn) = http2::Builder::new(TokioExecutor::new())
                 .timer(TokioTimer::new())
+                .keep_alive_interval(Duration::from_secs(20))
+                .keep_alive_timeout(Duration::from_secs(20))
                 .handshake(io)
                 .await?;
             spawn_connection(conn, &key.authority);
@@ -316,11 +318,28 @@ pin_project_lite::pin_project! {
 /// What a [`Returning`] body gives back, and where.
 type Back = Option<(http1::SendRequest<Body>, Key, Weak<Inner>)>;
 
-/// Puts the connection in `back` into its pool, if the pool is still there.
+/// Puts the connection in `back` into its pool, if the pool is still there, once it can
+/// take the next request. It nearly always can when the response has ended; not while
+/// hyper is still writing the request's body (an upstream that answered early, say a
+/// 401 to a stalled upload): then a task waits for it, so that no checkout ever gets a
+/// connection that is still busy.
 fn give_back(back: &mut Back) {
-    if let Some((sender, key, pool)) = back.take() {
+    let Some((mut sender, key, pool)) = back.take() else {
+        return;
+    };
+    if sender.is_ready() {
         if let Some(pool) = pool.upgrade() {
             pool.put(key, sender);
+        }
+    } else if !sender.is_closed() {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if sender.ready().await.is_ok() {
+                    if let Some(pool) = pool.upgrade() {
+                        pool.put(key, sender);
+                    }
+                }
+            });
         }
     }
 }
@@ -338,8 +357,11 @@ impl http_body::Body for Returning {
         match &polled {
             Poll::Ready(None) => give_back(this.back),
             // hyper stops polling a body that says it has ended (a `Content-Length`
-            // body after its last byte), so the end is noticed with the last frame.
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => give_back(this.back),
+            // body after its last byte) or that sent its trailers, so the end is noticed
+            // with the last frame.
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() || this.inner.is_end_stream() => {
+                give_back(this.back)
+            }
             Poll::Ready(Some(Err(_))) => {
                 this.back.take();
             }
