@@ -27,19 +27,10 @@ use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
-/// drains in-flight requests and tunnels for up to `proxy.shutdown_grace`.
+/// drains in-flight requests and tunnels for up to `proxy.shutdown_grace`. One thread;
+/// [`serve_threads`] is the general form (more threads, the admin endpoints).
 pub async fn run(
     listener: TcpListener,
-    config: Config,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), ConfigError> {
-    run_with_admin(listener, None, config, shutdown).await
-}
-
-/// Like [`run`], and serves the admin endpoints on `admin` too, when given.
-pub async fn run_with_admin(
-    listener: TcpListener,
-    admin: Option<TcpListener>,
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConfigError> {
@@ -47,7 +38,7 @@ pub async fn run_with_admin(
         first: listener,
         others: Vec::new(),
     };
-    serve_threads(sockets, admin, config, shutdown).await
+    serve_threads(sockets, None, config, shutdown).await
 }
 
 /// The proxy's listening sockets, one per serving thread, all on one address
@@ -96,8 +87,10 @@ fn bind(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
     socket.listen(1024)
 }
 
-/// Like [`run_with_admin`], with one thread per socket: the caller's (best a
-/// single-threaded runtime) serves the first, and each further socket gets a thread
+/// Builds the proxy from `config` and serves `sockets` until `shutdown` completes (and
+/// the admin endpoints on `admin`, when given), then drains in-flight requests and
+/// tunnels for up to `proxy.shutdown_grace`. One thread per socket: the caller's (best
+/// a single-threaded runtime) serves the first, and each further socket gets a thread
 /// with a single-threaded runtime and a [`Proxy::sibling`] of its own. Returns once
 /// every thread has drained.
 ///

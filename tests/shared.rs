@@ -399,35 +399,10 @@ async fn serving_threads_share_one_store() {
     let _alone = MEASURING.lock().await;
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
-    let text = config(
-        &redis,
-        "[[limit]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nrate = \"20/s\"\n",
-    );
-    let config = tollgate::config::Config::parse(&text, "threads.toml").unwrap();
-    let sockets = tollgate::server::Sockets::listen("127.0.0.1:0".parse().unwrap(), 3).unwrap();
-    let addr = sockets.local_addr().unwrap();
-    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let admin_addr = admin.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(tollgate::server::serve_threads(
-        sockets,
-        Some(admin),
-        config,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let limit = "[[limit]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nrate = \"20/s\"\n";
+    let proxy = start_proxy_on_threads(&config(&redis, limit), 3).await;
 
-    let client = reqwest::Client::builder()
-        .proxy(reqwest::Proxy::all(format!("http://{addr}")).unwrap())
-        .timeout(BOUND)
-        .build()
-        .unwrap();
-    let calls = (0..40).map(|i| {
-        let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
-        async move { client.get(url).send().await.unwrap().status().as_u16() }
-    });
-    let statuses = futures_util::future::join_all(calls).await;
+    let statuses = load(&[&proxy], &upstream, 40).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     let at = arrivals(&upstream);
     assert_eq!(at.len(), 40);
@@ -437,23 +412,10 @@ async fn serving_threads_share_one_store() {
         "{busiest} requests reached the upstream within 1 s"
     );
     // Redis answered every thread's calls: the store never went down.
-    let metrics = reqwest_direct()
-        .get(format!("http://{admin_addr}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_get(&proxy, "/metrics").await;
     assert!(
         metrics.lines().any(|l| l == "tollgate_backend_up 1"),
         "{metrics}"
     );
-
-    let _ = stop.send(());
-    tokio::time::timeout(BOUND, serving)
-        .await
-        .expect("every thread drains and returns")
-        .unwrap()
-        .unwrap();
+    proxy.shutdown().await;
 }

@@ -8,41 +8,24 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use support::*;
-use tokio::sync::oneshot;
-use tollgate::server::Sockets;
 
 #[tokio::test]
 async fn threads_share_one_budget_and_each_serves_connections() {
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
-    let config = tollgate::config::Config::parse(
+    let proxy = start_proxy_on_threads(
         r#"
         [[limit]]
         name = "paced"
         hosts = ["127.0.0.1"]
         rate = "20/s"
         "#,
-        "threads.toml",
+        3,
     )
-    .unwrap();
-    let sockets = Sockets::listen("127.0.0.1:0".parse().unwrap(), 3).unwrap();
-    let addr = sockets.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let serving = tokio::spawn(tollgate::server::serve_threads(
-        sockets,
-        None,
-        config,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    .await;
 
     // 40 requests at once, each on a connection of its own (nothing is idle in the
     // client's pool while they all wait), so the kernel spreads them over the threads.
-    let client = reqwest::Client::builder()
-        .proxy(reqwest::Proxy::all(format!("http://{addr}")).unwrap())
-        .timeout(BOUND)
-        .build()
-        .unwrap();
+    let client = reqwest_via(&proxy, None);
     let calls = (0..40).map(|i| {
         let client = client.clone();
         let url = upstream.url(&format!("/item/{i}"));
@@ -65,12 +48,9 @@ async fn threads_share_one_budget_and_each_serves_connections() {
         "all 40 requests came through one thread's pool: {connections:?}"
     );
 
-    let _ = stop.send(());
-    tokio::time::timeout(BOUND, serving)
-        .await
-        .expect("every thread drains and returns")
-        .unwrap()
-        .unwrap();
-    // Every thread's socket is closed.
+    let addr = proxy.addr;
+    // Every thread drains and returns (shutdown panics past its bound)...
+    proxy.shutdown().await;
+    // ...and every thread's socket is closed.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
 }

@@ -843,22 +843,31 @@ pub struct Proxy {
 }
 
 /// Parses `config_toml` (no `listen` key needed), binds 127.0.0.1:0 and spawns
-/// `tollgate::server::run` on it.
+/// `tollgate::server::serve_threads` on it (one thread: the test's runtime).
 pub async fn start_proxy(config_toml: &str) -> Proxy {
-    launch(config_toml, false).await
+    launch(config_toml, false, 1).await
 }
 
-/// Like [`start_proxy`], with the admin endpoints on another 127.0.0.1:0 listener
-/// (`server::run_with_admin`); see [`admin_get`].
+/// Like [`start_proxy`], with the admin endpoints on another 127.0.0.1:0 listener; see
+/// [`admin_get`].
 pub async fn start_proxy_with_admin(config_toml: &str) -> Proxy {
-    launch(config_toml, true).await
+    launch(config_toml, true, 1).await
 }
 
-async fn launch(config_toml: &str, with_admin: bool) -> Proxy {
+/// Like [`start_proxy_with_admin`], serving on `threads` threads, each with its own
+/// runtime and socket (`server::serve_threads`, as the binary runs).
+pub async fn start_proxy_on_threads(config_toml: &str, threads: usize) -> Proxy {
+    launch(config_toml, true, threads).await
+}
+
+async fn launch(config_toml: &str, with_admin: bool, threads: usize) -> Proxy {
     let config = tollgate::config::Config::parse(config_toml, "test.toml")
         .unwrap_or_else(|e| panic!("test config does not parse: {e}"));
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-    let addr = listener.local_addr().unwrap();
+    // Every socket listens before this returns, so no connection of the test can reach
+    // the first one only because the others did not exist yet.
+    let sockets = tollgate::server::Sockets::listen("127.0.0.1:0".parse().unwrap(), threads)
+        .expect("bind proxy");
+    let addr = sockets.local_addr().unwrap();
     let admin = match with_admin {
         true => Some(TcpListener::bind("127.0.0.1:0").await.expect("bind admin")),
         false => None,
@@ -870,14 +879,9 @@ async fn launch(config_toml: &str, with_admin: bool) -> Proxy {
         let shutdown = async {
             let _ = stopped.await;
         };
-        let result = match admin {
-            None => tollgate::server::run(listener, config, shutdown).await,
-            Some(admin) => {
-                tollgate::server::run_with_admin(listener, Some(admin), config, shutdown).await
-            }
-        };
+        let result = tollgate::server::serve_threads(sockets, admin, config, shutdown).await;
         if let Err(e) = result {
-            panic!("tollgate::server::run failed: {e}");
+            panic!("tollgate::server::serve_threads failed: {e}");
         }
     });
     Proxy {
@@ -911,24 +915,24 @@ impl Proxy {
         format!("http://{}", self.addr)
     }
 
-    /// Completes the shutdown future passed to `server::run`, without waiting.
+    /// Completes the shutdown future passed to the server, without waiting.
     pub fn begin_shutdown(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
     }
 
-    /// Whether `server::run` has returned.
+    /// Whether the server has returned.
     pub fn is_finished(&self) -> bool {
         self.task.as_ref().is_none_or(|t| t.is_finished())
     }
 
-    /// Triggers shutdown and waits (at most [`BOUND`]) for `server::run` to return.
+    /// Triggers shutdown and waits (at most [`BOUND`]) for the server to return.
     pub async fn shutdown(mut self) {
         self.begin_shutdown();
         let task = self.task.take().expect("not yet joined");
         match tokio::time::timeout(BOUND, task).await {
-            Err(_) => panic!("server::run did not return within {BOUND:?} of shutdown"),
+            Err(_) => panic!("the server did not return within {BOUND:?} of shutdown"),
             Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Ok(_) => {}
         }
