@@ -27,14 +27,11 @@ fn config(redis: &RedisServer, extra: &str) -> String {
 
 /// Sends `per_instance` requests through each proxy at once; returns their statuses.
 async fn load(proxies: &[&Proxy], upstream: &Upstream, per_instance: usize) -> Vec<u16> {
-    let calls = proxies.iter().flat_map(|proxy| {
-        let client = reqwest_via(proxy, None);
-        (0..per_instance).map(move |i| {
-            let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
-            async move { client.get(url).send().await.unwrap().status().as_u16() }
-        })
+    let each = proxies.iter().map(|proxy| {
+        let urls = (0..per_instance).map(|i| upstream.url(&format!("/{i}")));
+        get_all_at_once(proxy, urls)
     });
-    futures_util::future::join_all(calls).await
+    futures_util::future::join_all(each).await.concat()
 }
 
 /// The rate measurements run one at a time: the tests of this file run in parallel, each

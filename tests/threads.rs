@@ -25,13 +25,8 @@ async fn threads_share_one_budget_and_each_serves_connections() {
 
     // 40 requests at once, each on a connection of its own (nothing is idle in the
     // client's pool while they all wait), so the kernel spreads them over the threads.
-    let client = reqwest_via(&proxy, None);
-    let calls = (0..40).map(|i| {
-        let client = client.clone();
-        let url = upstream.url(&format!("/item/{i}"));
-        async move { client.get(url).send().await.unwrap().status().as_u16() }
-    });
-    let statuses = futures_util::future::join_all(calls).await;
+    let urls = (0..40).map(|i| upstream.url(&format!("/item/{i}")));
+    let statuses = get_all_at_once(&proxy, urls).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
 
     // One budget: the pace holds across threads (three budgets would let three

@@ -19,13 +19,8 @@ async fn a_hundred_concurrent_requests_leave_at_the_pace() {
         "#,
     )
     .await;
-    let client = reqwest_via(&proxy, None);
-    let calls = (0..100).map(|i| {
-        let client = client.clone();
-        let url = upstream.url(&format!("/item/{i}"));
-        async move { client.get(url).send().await.unwrap().status().as_u16() }
-    });
-    let statuses = futures_util::future::join_all(calls).await;
+    let urls = (0..100).map(|i| upstream.url(&format!("/item/{i}")));
+    let statuses = get_all_at_once(&proxy, urls).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
 
     let at = arrivals(&upstream);
@@ -49,15 +44,12 @@ async fn hosts_of_one_group_share_its_budget() {
         "#,
     )
     .await;
-    let client = reqwest_via(&proxy, None);
     let port = upstream.addr().port();
-    let calls = (0..20).map(|i| {
-        let client = client.clone();
+    let urls = (0..20).map(|i| {
         let host = if i % 2 == 0 { "127.0.0.1" } else { "localhost" };
-        let url = format!("http://{host}:{port}/{i}");
-        async move { client.get(url).send().await.unwrap().status().as_u16() }
+        format!("http://{host}:{port}/{i}")
     });
-    let statuses = futures_util::future::join_all(calls).await;
+    let statuses = get_all_at_once(&proxy, urls).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
 
     let seen = upstream.requests();

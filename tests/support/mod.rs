@@ -1085,6 +1085,17 @@ pub fn reqwest_via(proxy: &Proxy, ca: Option<&TestCa>) -> reqwest::Client {
     builder.build().expect("reqwest client")
 }
 
+/// Sends a GET of every URL through `proxy` at once (concurrent requests open
+/// connections of their own) and returns the statuses, in order.
+pub async fn get_all_at_once(proxy: &Proxy, urls: impl IntoIterator<Item = String>) -> Vec<u16> {
+    let client = reqwest_via(proxy, None);
+    let calls = urls.into_iter().map(|url| {
+        let client = client.clone();
+        async move { client.get(url).send().await.unwrap().status().as_u16() }
+    });
+    futures_util::future::join_all(calls).await
+}
+
 /// A reqwest client that talks to servers directly, never through a proxy.
 pub fn reqwest_direct() -> reqwest::Client {
     reqwest::Client::builder()
