@@ -182,7 +182,7 @@ pub async fn serve(
     let protocols = Arc::new(Protocols {
         http1,
         http2,
-        sniff_within: settings.client_header_timeout.0,
+        header_timeout: settings.client_header_timeout.0,
     });
 
     // Every client connection is a task here; at shutdown `drain` asks them to finish
@@ -255,8 +255,9 @@ pub async fn serve(
 struct Protocols {
     http1: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
-    /// How long a new connection may take to show which version it speaks.
-    sniff_within: Duration,
+    /// `client_header_timeout`: how long a new connection may take to show which
+    /// version it speaks, and how long an HTTP/2 connection may go without a request.
+    header_timeout: Duration,
 }
 
 /// One accepted client connection.
@@ -277,7 +278,8 @@ impl Client {
     /// socket: hyper's read buffer then grows to 16 KiB on the very first request, which
     /// every waiting client connection paid (BENCHMARKS.md, "Queue memory").
     async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
-        let Some(version) = sniff_stream(&stream, self.protocols.sniff_within, &drain).await else {
+        let Some(version) = sniff_stream(&stream, self.protocols.header_timeout, &drain).await
+        else {
             tracing::debug!(remote = %self.remote, "client sent no request");
             return;
         };
@@ -347,7 +349,7 @@ async fn serve_http2(
     // Its own drain token, so that an idle close does not touch other connections.
     let drain = drain.child_token();
     let serving = until_closed(conn, |c| c.graceful_shutdown(), &drain, cut);
-    let limit = protocols.sniff_within;
+    let limit = protocols.header_timeout;
     let watch = async {
         idle.for_at_least(limit).await;
         // GOAWAY: the client should finish and close. hyper waits for the ping that

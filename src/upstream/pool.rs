@@ -77,7 +77,7 @@ struct Idle {
 }
 
 /// An HTTP/2 connection, shared by the requests to its upstream.
-struct Shared {
+struct Multiplexed {
     sender: http2::SendRequest<Body>,
     used: Instant,
 }
@@ -98,7 +98,7 @@ struct Inner {
     connector: Connector,
     idle_timeout: Duration,
     idle: Mutex<HashMap<Key, Vec<Idle>>>,
-    shared: Mutex<HashMap<Key, Shared>>,
+    multiplexed: Mutex<HashMap<Key, Multiplexed>>,
     /// Whether the task that closes expired idle connections runs.
     sweeping: AtomicBool,
 }
@@ -119,7 +119,7 @@ impl Pool {
                 connector,
                 idle_timeout,
                 idle: Mutex::new(HashMap::new()),
-                shared: Mutex::new(HashMap::new()),
+                multiplexed: Mutex::new(HashMap::new()),
                 sweeping: AtomicBool::new(false),
             }),
         }
@@ -139,7 +139,7 @@ impl Pool {
                 // its box per request (8k instructions of memcpy per request).
                 None => (Box::pin(self.inner.connect(&key)).await?, false),
             };
-            let sent = match conn {
+            let mut sent = match conn {
                 Conn::Http1(mut sender) => {
                     // HTTP/1.1 names the path only; the authority is in `Host`.
                     *req.uri_mut() = origin_form(&uri);
@@ -158,7 +158,6 @@ impl Pool {
                     }
                 }
             };
-            let mut sent = sent;
             match sent.take_message() {
                 // The reused connection had closed before the request went out: the
                 // upstream never saw it, so it goes again, on a new connection.
@@ -176,13 +175,13 @@ impl Inner {
     /// A connection to `key` that can take a request now, if one is pooled.
     fn checkout(&self, key: &Key) -> Option<Conn> {
         {
-            let mut shared = lock(&self.shared);
-            if let Some(entry) = shared.get_mut(key) {
+            let mut multiplexed = lock(&self.multiplexed);
+            if let Some(entry) = multiplexed.get_mut(key) {
                 if entry.sender.is_ready() {
                     entry.used = Instant::now();
                     return Some(Conn::Http2(entry.sender.clone()));
                 }
-                shared.remove(key);
+                multiplexed.remove(key);
             }
         }
         loop {
@@ -211,11 +210,11 @@ impl Inner {
                 .handshake(io)
                 .await?;
             spawn_connection(conn, &key.authority);
-            let shared = Shared {
+            let entry = Multiplexed {
                 sender: sender.clone(),
                 used: Instant::now(),
             };
-            lock(&self.shared).insert(key.clone(), shared);
+            lock(&self.multiplexed).insert(key.clone(), entry);
             Conn::Http2(sender)
         } else {
             let (sender, conn) = http1::handshake(io).await?;
@@ -277,8 +276,8 @@ impl Inner {
             list.retain(|idle| idle.since.elapsed() < timeout && !idle.sender.is_closed());
             !list.is_empty()
         });
-        lock(&self.shared)
-            .retain(|_, shared| shared.used.elapsed() < timeout && !shared.sender.is_closed());
+        lock(&self.multiplexed)
+            .retain(|_, entry| entry.used.elapsed() < timeout && !entry.sender.is_closed());
     }
 }
 
