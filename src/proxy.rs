@@ -31,8 +31,10 @@ use crate::body::{self, Body};
 use crate::classify::Classifier;
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
-use crate::limit::layer::{routed, Routed, Throttle, ThrottleLayer, TunnelPermit};
-use crate::limit::{Limits, Shared};
+use crate::limit::layer::{
+    routed, Admission, Handoff, Routed, Throttle, ThrottleLayer, TunnelPermit,
+};
+use crate::limit::{Group, Limits, Shared};
 use crate::metrics::Metrics;
 use crate::pushback::{Pushback, PushbackLayer};
 use crate::tunnel;
@@ -124,9 +126,16 @@ impl Proxy {
         })
     }
 
-    /// Serves one request from a client connected to `local`. Never fails.
-    pub async fn handle(&self, req: Request<Incoming>, local: SocketAddr) -> Response<Body> {
-        let arrived = Instant::now();
+    /// Serves one request from a client connected to `local`. Never fails. `early` is
+    /// the outcome of its wait in its group when it waited before hyper read it (see
+    /// [`Proxy::queue_ahead`]).
+    pub async fn handle(
+        &self,
+        req: Request<Incoming>,
+        local: SocketAddr,
+        early: Option<Admission>,
+    ) -> Response<Body> {
+        let arrived = early.as_ref().map_or_else(Instant::now, |a| a.arrived);
         let mut req = req.map(body::boxed);
         let target = match self.classifier.classify(&mut req, local) {
             Ok(target) => target,
@@ -140,6 +149,9 @@ impl Proxy {
             group,
             arrived,
         }));
+        if let Some(admission) = early {
+            req.extensions_mut().insert(Handoff::new(admission));
+        }
 
         // Calling through `Service::call` on a clone (rather than `oneshot` in this async
         // fn) keeps rustc from asking for a higher-ranked `Service` impl it cannot prove.
@@ -152,6 +164,24 @@ impl Proxy {
             tracing::debug!(error = %e, "request failed");
             e.into_response()
         })
+    }
+
+    /// The group a request with this head would have to wait in, and its cost; `None`
+    /// when it would leave at once (or cannot be classified: [`Proxy::handle`] answers
+    /// that). Decides exactly as [`Proxy::handle`] will for the same head, so a new
+    /// connection's first request can wait before hyper reads it (`server::early`).
+    pub fn queue_ahead(
+        &self,
+        head: &mut Request<()>,
+        local: SocketAddr,
+    ) -> Option<(Arc<Group>, u32)> {
+        let target = self.classifier.classify(head, local).ok()?;
+        let group = self.limits.group_for(&target.host, target.limit.as_deref());
+        if !group.would_wait() {
+            return None;
+        }
+        let cost = group.settings.cost_of(head.method(), head.uri().path());
+        Some((group, cost))
     }
 
     /// Starts background work that needs a runtime (the shared store's heartbeat).

@@ -33,7 +33,7 @@ use tower::{Layer, Service};
 use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
-use crate::limit::layer::{group_and_arrival, BoxFuture, Retrying};
+use crate::limit::layer::{admitted_early, group_and_arrival, routed, BoxFuture, Retrying};
 use crate::limit::Group;
 use crate::ratelimit_headers::pause_hint;
 use crate::retry_after::{backoff, retry_after};
@@ -122,8 +122,7 @@ where
         let mut inner = self.inner.clone();
         if req.method() == Method::CONNECT {
             // A tunnel has no HTTP answer to read.
-            let (group, _) = group_and_arrival(&req);
-            let req = if group.would_wait() {
+            let req = if !admitted_early(&req) && routed(&req).group.would_wait() {
                 with_own_head(req)
             } else {
                 req
@@ -132,9 +131,10 @@ where
         }
         Box::pin(async move {
             let (group, arrived) = group_and_arrival(&req);
+            let admitted = admitted_early(&req);
             let (parts, body) = req.into_parts();
             let mut request = Replayable::read(parts, body, group.settings.max_replay_body).await?;
-            if group.would_wait() {
+            if !admitted && group.would_wait() {
                 request.detach_from_connection();
             }
             send(&mut inner, request, &group, arrived).await

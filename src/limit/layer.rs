@@ -13,7 +13,7 @@ use http::{Method, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::{Group, Permit};
+use super::{Group, Permit, Refusal};
 use crate::body::{self, Body, Holding};
 use crate::classify::Target;
 use crate::error::ProxyError;
@@ -50,16 +50,49 @@ pub fn routed<B>(req: &Request<B>) -> &Routed {
 #[derive(Debug, Clone, Copy)]
 pub struct Retrying;
 
-/// A CONNECT request's permit, handed to the tunnel, which holds it while open.
-/// (Extensions must be `Clone`; the permit is taken out exactly once.)
-#[derive(Debug, Clone)]
-pub struct TunnelPermit(Arc<Mutex<Option<Permit>>>);
+/// A value one part of the stack hands to another through a request's extensions,
+/// taken out exactly once. (Extensions must be `Clone`; a replayed request's copy finds
+/// it already taken.)
+#[derive(Debug)]
+pub struct Handoff<T>(Arc<Mutex<Option<T>>>);
 
-impl TunnelPermit {
-    /// Takes the permit out; `None` if already taken.
-    pub fn take(&self) -> Option<Permit> {
+impl<T> Handoff<T> {
+    /// Wraps `value` for handing over.
+    pub fn new(value: T) -> Handoff<T> {
+        Handoff(Arc::new(Mutex::new(Some(value))))
+    }
+
+    /// Takes the value out; `None` if already taken.
+    pub fn take(&self) -> Option<T> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
+}
+
+impl<T> Clone for Handoff<T> {
+    fn clone(&self) -> Self {
+        Handoff(self.0.clone())
+    }
+}
+
+/// A CONNECT request's permit, handed to the tunnel, which holds it while open.
+pub type TunnelPermit = Handoff<Permit>;
+
+/// A request that already waited in its group before hyper read it (a new connection's
+/// first request; see [`crate::server`]'s `early` module): the throttle takes this
+/// outcome instead of queueing the request a second time.
+pub struct Admission {
+    /// The group it waited in; the outcome only counts for a request classified to it.
+    pub group: Arc<Group>,
+    /// When its head was first seen, so `max_wait` and the queue-wait metric count from then.
+    pub arrived: Instant,
+    /// The permit it leaves with, or why it was refused.
+    pub outcome: Result<Permit, Refusal>,
+}
+
+/// Whether `req` already waited in its group before hyper read it (its first attempt
+/// will not queue).
+pub fn admitted_early<B>(req: &Request<B>) -> bool {
+    req.extensions().get::<Handoff<Admission>>().is_some()
 }
 
 /// Adds the throttle in front of a service.
@@ -103,13 +136,20 @@ where
             let front = req.extensions().get::<Retrying>().is_some();
             let cost = group.settings.cost_of(req.method(), req.uri().path());
             let deadline = arrived + group.settings.max_wait;
-            let permit = group
-                .admit(cost, arrived, deadline, front)
-                .await
-                .map_err(|refusal| ProxyError::refused(&group, refusal))?;
+            let early = req
+                .extensions_mut()
+                .remove::<Handoff<Admission>>()
+                .and_then(|handoff| handoff.take())
+                // Decided from the same head, so always the same group; were it ever
+                // not, the request queues again rather than spend another group's slot.
+                .filter(|admission| Arc::ptr_eq(&admission.group, &group));
+            let outcome = match early {
+                Some(admission) => admission.outcome,
+                None => group.admit(cost, arrived, deadline, front).await,
+            };
+            let permit = outcome.map_err(|refusal| ProxyError::refused(&group, refusal))?;
             if req.method() == Method::CONNECT {
-                req.extensions_mut()
-                    .insert(TunnelPermit(Arc::new(Mutex::new(Some(permit)))));
+                req.extensions_mut().insert(TunnelPermit::new(permit));
                 return inner.call(req).await;
             }
             let response = inner.call(req).await?;

@@ -4,6 +4,9 @@
 //! upgrades so CONNECT can take over the connection. The caller binds the listener, so
 //! tests pass one bound to port 0.
 
+mod early;
+mod sniff;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -25,6 +28,9 @@ use crate::body::{self, Holding};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
+
+use early::FirstRequest;
+use sniff::{sniff_stream, Sniffed};
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
 /// drains in-flight requests and tunnels for up to `proxy.shutdown_grace`. One thread;
@@ -284,23 +290,45 @@ impl Client {
             return;
         };
         let (proxy, local, remote) = (self.proxy, self.local, self.remote);
-        let io = TokioIo::new(stream);
         let ended = match version {
             Sniffed::Http2 => {
                 // Boxed: an HTTP/2 connection is twice the size of an HTTP/1 one, and
                 // inline it would size every client connection's task.
+                let io = TokioIo::new(stream);
                 let serving = serve_http2(&self.protocols, io, proxy, local, &drain, &cut);
                 Box::pin(serving).await
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
+                let (stream, first) = match early::wait_in_group(&stream, &proxy, local, &cut).await
+                {
+                    FirstRequest::NotHeld => (stream, None),
+                    FirstRequest::Decided(admission) => match early::register_again(stream) {
+                        Ok(stream) => (stream, Some(admission)),
+                        Err(e) => {
+                            tracing::warn!(%remote, error = %e, "cannot serve a connection after its request waited");
+                            return;
+                        }
+                    },
+                    FirstRequest::Left => {
+                        tracing::debug!(%remote, "client left while its request waited");
+                        return;
+                    }
+                    FirstRequest::Cut => {
+                        tracing::debug!(%remote, "connection cut at shutdown");
+                        return;
+                    }
+                };
+                // The outcome of that wait goes with the first request only.
+                let first = std::sync::Mutex::new(first);
                 let service = service_fn(move |req| {
                     let proxy = proxy.clone();
-                    async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
+                    let early = first.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    async move { Ok::<_, Infallible>(proxy.handle(req, local, early).await) }
                 });
                 let conn = self
                     .protocols
                     .http1
-                    .serve_connection(io, service)
+                    .serve_connection(TokioIo::new(stream), service)
                     .with_upgrades();
                 until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut).await
             }
@@ -339,7 +367,7 @@ async fn serve_http2(
                 req.extensions_mut().insert(KeepWhileOpen(stream.clone()));
             }
             async move {
-                let response = proxy.handle(req, local).await;
+                let response = proxy.handle(req, local, None).await;
                 // The stream is open until its response body has been sent.
                 Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, stream))))
             }
@@ -435,86 +463,5 @@ where
     tokio::select! {
         ended = conn => Some(ended),
         _ = cut.cancelled() => None,
-    }
-}
-
-/// The first bytes of an HTTP/2 connection with prior knowledge (RFC 9113 §3.4).
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// What a connection's first bytes say about the HTTP version it speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Sniffed {
-    Http1,
-    Http2,
-    /// A proper beginning of the HTTP/2 preface: look again once more has arrived.
-    NeedMore,
-}
-
-/// Decides the version from the bytes seen so far (not empty).
-fn sniff(first: &[u8]) -> Sniffed {
-    if first.starts_with(H2_PREFACE) {
-        Sniffed::Http2
-    } else if H2_PREFACE.starts_with(first) {
-        Sniffed::NeedMore
-    } else {
-        Sniffed::Http1
-    }
-}
-
-/// Looks for the rest of a partial HTTP/2 preface this many times, waiting twice as long
-/// each time from [`FIRST_LOOK_AGAIN`] (≈ 300 ms in all), then lets HTTP/1 answer it. A
-/// peek sees the same bytes until more arrive (or after the client has closed), so the
-/// looks must be few and spaced: a client that sends "P" and stalls costs five timer
-/// wake-ups, not a busy loop.
-const LOOKS_AGAIN: u32 = 5;
-const FIRST_LOOK_AGAIN: Duration = Duration::from_millis(10);
-
-/// Peeks at the first bytes of `stream` (leaving them for hyper) until they tell the
-/// HTTP version. `None` when the client closes, stays silent for `within`, or shutdown
-/// begins first (`drain`: nothing was asked yet, so nothing is lost); a preface still
-/// incomplete after a few looks is served as HTTP/1, which answers it with an error.
-async fn sniff_stream(
-    stream: &TcpStream,
-    within: Duration,
-    drain: &CancellationToken,
-) -> Option<Sniffed> {
-    let give_up = Instant::now() + within;
-    let mut first = [0u8; H2_PREFACE.len()];
-    let mut wait = FIRST_LOOK_AGAIN;
-    for _ in 0..=LOOKS_AGAIN {
-        let seen = tokio::select! {
-            peeked = tokio::time::timeout_at(give_up, stream.peek(&mut first)) => match peeked {
-                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
-                Ok(Ok(seen)) => seen,
-            },
-            _ = drain.cancelled() => return None,
-        };
-        match sniff(&first[..seen]) {
-            Sniffed::NeedMore => {
-                tokio::time::sleep(wait).await;
-                wait *= 2;
-            }
-            decided => return Some(decided),
-        }
-    }
-    Some(Sniffed::NeedMore)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sniffs_the_http2_preface_and_nothing_else() {
-        assert_eq!(sniff(H2_PREFACE), Sniffed::Http2);
-        assert_eq!(
-            sniff(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0"),
-            Sniffed::Http2
-        );
-        assert_eq!(sniff(b"PRI * HTTP/2"), Sniffed::NeedMore);
-        assert_eq!(sniff(b"P"), Sniffed::NeedMore);
-        assert_eq!(sniff(b"GET / HTTP/1.1\r\n"), Sniffed::Http1);
-        assert_eq!(sniff(b"CONNECT a:443 HTTP/1.1\r\n"), Sniffed::Http1);
-        assert_eq!(sniff(b"PRI * HTTP/1.1\r\n"), Sniffed::Http1);
     }
 }
