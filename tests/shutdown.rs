@@ -324,3 +324,53 @@ async fn binary_serves_and_exits_0_on_sigterm() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_still_waiting_in_its_group_is_served_during_the_grace() {
+    let upstream = Upstream::start(|_| Reply::ok("served")).await;
+    let mut proxy = start_proxy_with_admin(
+        r#"
+        [proxy]
+        shutdown_grace = "30s"
+
+        [[limit]]
+        name = "slow"
+        hosts = ["127.0.0.1"]
+        rate = "2/s"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    assert_eq!(
+        client
+            .get(upstream.url("/first"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    // A new connection's request waits for the next slot (before hyper reads it) when
+    // shutdown begins; it was asked before the listener closed, so it is served.
+    let (addr, authority) = (proxy.addr, upstream.authority());
+    let waiting = tokio::spawn(async move {
+        let get = format!("GET http://{authority}/waited HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+        raw_request(addr, get.as_bytes()).await
+    });
+    wait_queued(&proxy, "slow", 1).await;
+    proxy.begin_shutdown();
+    wait_until_refused(proxy.addr).await;
+
+    let response = waiting.await.unwrap();
+    assert_eq!((response.status, response.text()), (200, "served".into()));
+    assert_eq!(
+        response.header("connection"),
+        Some("close"),
+        "{:?}",
+        response.headers
+    );
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/first", "/waited"]);
+    proxy.shutdown().await;
+}

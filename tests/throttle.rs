@@ -412,3 +412,151 @@ async fn metrics_count_what_happened() {
     assert_eq!(admin_get(&proxy, "/healthz").await, "ok\n");
     assert_eq!(upstream.requests().len(), 3);
 }
+
+/// A new connection's first request waits in its group before hyper reads it; a later
+/// request on a kept-alive connection waits inside hyper. The two are one queue.
+const ONE_AT_A_TIME: &str = r#"
+    [[limit]]
+    name = "one-at-a-time"
+    hosts = ["127.0.0.1"]
+    concurrency = 1
+    "#;
+
+/// An upstream that answers `/hold` after `hold`, everything else at once.
+async fn upstream_holding(hold: Duration) -> Upstream {
+    Upstream::start(move |seen| match seen.path.as_str() {
+        "/hold" => Reply::ok("held").delay(hold),
+        _ => Reply::ok("ok"),
+    })
+    .await
+}
+
+/// Sends `GET /hold` on its own connection and waits until the upstream has it, so the
+/// group's one permit is taken; returns the client's task.
+async fn hold_the_permit(
+    proxy: &Proxy,
+    upstream: &Upstream,
+) -> tokio::task::JoinHandle<RawResponse> {
+    let (addr, authority) = (proxy.addr, upstream.authority());
+    let before = upstream.requests().len();
+    let held = tokio::spawn(async move {
+        let get = format!("GET http://{authority}/hold HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+        raw_request(addr, get.as_bytes()).await
+    });
+    upstream.wait_for_requests(before + 1).await;
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_and_kept_alive_connections_wait_in_one_queue_in_arrival_order() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = upstream_holding(Duration::from_millis(500)).await;
+    let proxy = start_proxy_with_admin(ONE_AT_A_TIME).await;
+    let authority = upstream.authority();
+    let get =
+        |path: &str| format!("GET http://{authority}{path} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+
+    // Three kept-alive connections, each past its first request.
+    let mut kept = Vec::new();
+    for i in 0..3 {
+        let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        conn.write_all(get(&format!("/warm-{i}")).as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(read_response(&mut conn).await.status, 200);
+        kept.push(conn);
+    }
+    let held = hold_the_permit(&proxy, &upstream).await;
+
+    // Alternate: a kept-alive connection's request, then a new connection's, each
+    // queued before the next is sent.
+    let mut fresh = Vec::new();
+    for i in 0..6 {
+        let request = get(&format!("/{i}"));
+        if i % 2 == 0 {
+            kept[i / 2].write_all(request.as_bytes()).await.unwrap();
+        } else {
+            let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+            conn.write_all(request.as_bytes()).await.unwrap();
+            fresh.push(conn);
+        }
+        wait_queued(&proxy, "one-at-a-time", i + 1).await;
+    }
+    assert_eq!(
+        upstream.requests().len(),
+        4,
+        "nothing left while the permit was held"
+    );
+
+    assert_eq!(held.await.unwrap().status, 200);
+    for conn in kept.iter_mut().chain(fresh.iter_mut()) {
+        let response = read_response(conn).await;
+        assert_eq!((response.status, response.text()), (200, "ok".into()));
+    }
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(
+        paths,
+        ["/warm-0", "/warm-1", "/warm-2", "/hold", "/0", "/1", "/2", "/3", "/4", "/5"],
+        "one queue, first come first served, whichever kind of connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_on_a_kept_alive_connection_whose_client_left_is_never_sent() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = upstream_holding(Duration::from_millis(300)).await;
+    let proxy = start_proxy_with_admin(ONE_AT_A_TIME).await;
+    let authority = upstream.authority();
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let first = format!("GET http://{authority}/first HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    conn.write_all(first.as_bytes()).await.unwrap();
+    assert_eq!(read_response(&mut conn).await.status, 200);
+
+    let held = hold_the_permit(&proxy, &upstream).await;
+    let gone = format!("GET http://{authority}/gone HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    conn.write_all(gone.as_bytes()).await.unwrap();
+    wait_queued(&proxy, "one-at-a-time", 1).await;
+    drop(conn);
+    wait_queued(&proxy, "one-at-a-time", 0).await;
+
+    assert_eq!(held.await.unwrap().status, 200);
+    let client = reqwest_via(&proxy, None);
+    let after = client.get(upstream.url("/after")).send().await.unwrap();
+    assert_eq!(after.status(), 200);
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/first", "/hold", "/after"]);
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains(r#"tollgate_requests_total{group="one-at-a-time",outcome="cancelled"} 1"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_sent_while_its_request_waits_reaches_the_upstream_whole() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = upstream_holding(Duration::from_millis(500)).await;
+    let proxy = start_proxy_with_admin(ONE_AT_A_TIME).await;
+    let authority = upstream.authority();
+    let held = hold_the_permit(&proxy, &upstream).await;
+
+    // The head alone first: the request waits on a new connection, then its body
+    // arrives in two pieces while it is still waiting.
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST http://{authority}/upload HTTP/1.1\r\nHost: {authority}\r\nContent-Length: 11\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    wait_queued(&proxy, "one-at-a-time", 1).await;
+    conn.write_all(b"hello").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    conn.write_all(b" world").await.unwrap();
+
+    let response = read_response(&mut conn).await;
+    assert_eq!((response.status, response.text()), (200, "ok".into()));
+    assert_eq!(held.await.unwrap().status, 200);
+    let seen = upstream.requests();
+    let paths: Vec<_> = seen.iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/hold", "/upload"]);
+    assert_eq!(seen[1].body, "hello world");
+}

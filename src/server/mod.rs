@@ -185,8 +185,13 @@ pub async fn serve(
     http2
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(20));
+    // hyper closes a connection told to shut down before it has read anything; one that
+    // starts while draining is served by this, which answers one request and closes.
+    let mut http1_draining = http1.clone();
+    http1_draining.keep_alive(false);
     let protocols = Arc::new(Protocols {
         http1,
+        http1_draining,
         http2,
         header_timeout: settings.client_header_timeout.0,
     });
@@ -260,6 +265,8 @@ pub async fn serve(
 /// The two HTTP versions a client may speak, configured once.
 struct Protocols {
     http1: http1::Builder,
+    /// For a connection that starts once shutdown has begun: one request, then close.
+    http1_draining: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
     /// `client_header_timeout`: how long a new connection may take to show which
     /// version it speaks, and how long an HTTP/2 connection may go without a request.
@@ -325,9 +332,14 @@ impl Client {
                     let early = first.lock().unwrap_or_else(|p| p.into_inner()).take();
                     async move { Ok::<_, Infallible>(proxy.handle(req, local, early).await) }
                 });
-                let conn = self
-                    .protocols
-                    .http1
+                // Shutdown may have begun while the request waited (or was peeked at).
+                // It was asked before the listener closed, so it is served; hyper's own
+                // graceful shutdown would close a connection it has not read from yet.
+                let (http1, drain) = match drain.is_cancelled() {
+                    false => (&self.protocols.http1, drain),
+                    true => (&self.protocols.http1_draining, CancellationToken::new()),
+                };
+                let conn = http1
                     .serve_connection(TokioIo::new(stream), service)
                     .with_upgrades();
                 until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut).await

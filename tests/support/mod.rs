@@ -1138,54 +1138,78 @@ pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> RawResponse {
     tokio::time::timeout(BOUND, async {
         let mut stream = TcpStream::connect(addr).await.expect("connect");
         stream.write_all(request).await.expect("write request");
-        let mut buf = Vec::new();
-        let head_end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            let mut chunk = [0u8; 4096];
-            let n = stream.read(&mut chunk).await.expect("read response");
-            assert!(n > 0, "connection closed before a response head: {buf:?}");
-            buf.extend_from_slice(&chunk[..n]);
-        };
-        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-        let mut lines = head.split("\r\n");
-        let status = lines
-            .next()
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|s| s.parse().ok())
-            .expect("status line");
-        let headers: Vec<(String, String)> = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
-            .collect();
-        let mut body = buf[head_end..].to_vec();
-        let length = headers
-            .iter()
-            .find(|(n, _)| n == "content-length")
-            .and_then(|(_, v)| v.parse::<usize>().ok());
-        match length {
-            Some(len) => {
-                while body.len() < len {
-                    let mut chunk = [0u8; 4096];
-                    let n = stream.read(&mut chunk).await.expect("read body");
-                    assert!(n > 0, "connection closed inside the body");
-                    body.extend_from_slice(&chunk[..n]);
-                }
-                body.truncate(len);
-            }
-            None => {
-                let _ = stream.read_to_end(&mut body).await;
-            }
-        }
-        RawResponse {
-            status,
-            headers,
-            body,
-        }
+        read_response(&mut stream).await
     })
     .await
     .expect("response within the bound")
+}
+
+/// Reads one response from `stream`, which stays open for the next request (when the
+/// response has a `Content-Length`; without one, the body runs to the close).
+pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await.expect("read response");
+        assert!(n > 0, "connection closed before a response head: {buf:?}");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut body = buf[head_end..].to_vec();
+    let length = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .and_then(|(_, v)| v.parse::<usize>().ok());
+    match length {
+        Some(len) => {
+            while body.len() < len {
+                let mut chunk = [0u8; 4096];
+                let n = stream.read(&mut chunk).await.expect("read body");
+                assert!(n > 0, "connection closed inside the body");
+                body.extend_from_slice(&chunk[..n]);
+            }
+            body.truncate(len);
+        }
+        None => {
+            let _ = stream.read_to_end(&mut body).await;
+        }
+    }
+    RawResponse {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// Waits until `group`'s queue (waiting requests and the one at its head) holds `n`,
+/// as `/metrics` on the admin listener shows it.
+pub async fn wait_queued(proxy: &Proxy, group: &str, n: usize) {
+    let line = format!("tollgate_queue_depth{{group=\"{group}\"}} {n}\n");
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let metrics = admin_get(proxy, "/metrics").await;
+        if metrics.contains(&line) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "queue of {group} never held {n}:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Asserts that `status` came with a `Proxy-Status: tollgate; error=<error>` header
