@@ -533,30 +533,116 @@ async fn a_waiting_request_on_a_kept_alive_connection_whose_client_left_is_never
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_body_sent_while_its_request_waits_reaches_the_upstream_whole() {
-    use tokio::io::AsyncWriteExt;
+async fn a_request_in_pieces_and_one_pipelined_behind_it_reach_the_upstream_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = upstream_holding(Duration::from_millis(500)).await;
     let proxy = start_proxy_with_admin(ONE_AT_A_TIME).await;
     let authority = upstream.authority();
     let held = hold_the_permit(&proxy, &upstream).await;
 
-    // The head alone first: the request waits on a new connection, then its body
-    // arrives in two pieces while it is still waiting.
+    // A new connection's request arrives in three pieces; it queues once it is whole.
     let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let head = format!(
         "POST http://{authority}/upload HTTP/1.1\r\nHost: {authority}\r\nContent-Length: 11\r\n\r\n"
     );
-    conn.write_all(head.as_bytes()).await.unwrap();
+    for piece in [head.as_bytes(), b"hello", b" world"] {
+        conn.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     wait_queued(&proxy, "one-at-a-time", 1).await;
-    conn.write_all(b"hello").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    conn.write_all(b" world").await.unwrap();
+    // A second request behind it on the same connection is not the client leaving.
+    let next = format!(
+        "GET http://{authority}/next HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
+    );
+    conn.write_all(next.as_bytes()).await.unwrap();
 
-    let response = read_response(&mut conn).await;
-    assert_eq!((response.status, response.text()), (200, "ok".into()));
+    // Both answers, in order, then the close the second asked for.
+    let mut answers = String::new();
+    conn.read_to_string(&mut answers).await.unwrap();
+    assert_eq!(
+        answers.matches("HTTP/1.1 200 OK\r\n").count(),
+        2,
+        "{answers}"
+    );
     assert_eq!(held.await.unwrap().status, 200);
     let seen = upstream.requests();
     let paths: Vec<_> = seen.iter().map(|s| s.path.clone()).collect();
-    assert_eq!(paths, ["/hold", "/upload"]);
+    assert_eq!(paths, ["/hold", "/upload", "/next"]);
     assert_eq!(seen[1].body, "hello world");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_body_has_not_arrived_holds_no_permit() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "one-at-a-time"
+        hosts = ["127.0.0.1"]
+        concurrency = 1
+        max_wait = "2s"
+        "#,
+    )
+    .await;
+    let authority = upstream.authority();
+    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST http://{authority}/late HTTP/1.1\r\nHost: {authority}\r\nContent-Length: 5\r\n\r\n"
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // The group's one permit is free for others until the body is there.
+    let client = reqwest_via(&proxy, None);
+    let after = client.get(upstream.url("/meanwhile")).send().await.unwrap();
+    assert_eq!(after.status(), 200);
+    slow.write_all(b"hello").await.unwrap();
+    let late = read_response(&mut slow).await;
+    assert_eq!(late.status, 200);
+    let seen = upstream.requests();
+    let paths: Vec<_> = seen.iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/meanwhile", "/late"]);
+    assert_eq!(seen[1].body, "hello");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_hyper_refuses_does_not_take_a_slot() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "slow"
+        hosts = ["127.0.0.1"]
+        rate = "1/m"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    assert_eq!(
+        client
+            .get(upstream.url("/first"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    // The group would make it wait, but its head is bad: answered at once, not queued
+    // for a minute and refused after spending the next slot.
+    let authority = upstream.authority();
+    let bad = format!(
+        "POST http://{authority}/bad HTTP/1.1\r\nHost: {authority}\r\nContent-Length: abc\r\n\r\n"
+    );
+    let response = raw_request(proxy.addr, bad.as_bytes()).await;
+    assert_eq!(response.status, 400);
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains(r#"tollgate_requests_total{group="slow",outcome="admitted"} 1"#)
+            && metrics.contains(r#"tollgate_queue_depth{group="slow"} 0"#),
+        "{metrics}"
+    );
+    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(paths, ["/first"]);
 }

@@ -185,13 +185,8 @@ pub async fn serve(
     http2
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(20));
-    // hyper closes a connection told to shut down before it has read anything; one that
-    // starts while draining is served by this, which answers one request and closes.
-    let mut http1_draining = http1.clone();
-    http1_draining.keep_alive(false);
     let protocols = Arc::new(Protocols {
         http1,
-        http1_draining,
         http2,
         header_timeout: settings.client_header_timeout.0,
     });
@@ -265,8 +260,6 @@ pub async fn serve(
 /// The two HTTP versions a client may speak, configured once.
 struct Protocols {
     http1: http1::Builder,
-    /// For a connection that starts once shutdown has begun: one request, then close.
-    http1_draining: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
     /// `client_header_timeout`: how long a new connection may take to show which
     /// version it speaks, and how long an HTTP/2 connection may go without a request.
@@ -306,16 +299,16 @@ impl Client {
                 Box::pin(serving).await
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
-                let (stream, first) = match early::wait_in_group(&stream, &proxy, local, &cut).await
-                {
-                    FirstRequest::NotHeld => (stream, None),
-                    FirstRequest::Decided(admission) => match early::register_again(stream) {
-                        Ok(stream) => (stream, Some(admission)),
-                        Err(e) => {
-                            tracing::warn!(%remote, error = %e, "cannot serve a connection after its request waited");
-                            return;
-                        }
-                    },
+                let wait = early::wait_in_group(
+                    &stream,
+                    &proxy,
+                    local,
+                    self.protocols.header_timeout,
+                    &cut,
+                );
+                let first = match wait.await {
+                    FirstRequest::NotHeld => None,
+                    FirstRequest::Decided(admission) => Some(admission),
                     FirstRequest::Left => {
                         tracing::debug!(%remote, "client left while its request waited");
                         return;
@@ -326,20 +319,18 @@ impl Client {
                     }
                 };
                 // The outcome of that wait goes with the first request only.
-                let first = std::sync::Mutex::new(first);
+                let first = std::cell::Cell::new(first);
                 let service = service_fn(move |req| {
                     let proxy = proxy.clone();
-                    let early = first.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    let early = first.take();
                     async move { Ok::<_, Infallible>(proxy.handle(req, local, early).await) }
                 });
-                // Shutdown may have begun while the request waited (or was peeked at).
-                // It was asked before the listener closed, so it is served; hyper's own
-                // graceful shutdown would close a connection it has not read from yet.
-                let (http1, drain) = match drain.is_cancelled() {
-                    false => (&self.protocols.http1, drain),
-                    true => (&self.protocols.http1_draining, CancellationToken::new()),
-                };
-                let conn = http1
+                // Shutdown may have begun while the request waited: it was asked before
+                // the listener closed, so it is served (`until_closed` lets hyper read it
+                // before telling it to finish), and the connection closes after.
+                let conn = self
+                    .protocols
+                    .http1
                     .serve_connection(TokioIo::new(stream), service)
                     .with_upgrades();
                 until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut).await
@@ -469,6 +460,9 @@ where
 {
     tokio::pin!(conn);
     tokio::select! {
+        // The connection first: hyper closes one it is told to shut down before it has
+        // read anything, so its first poll must read the request already waiting.
+        biased;
         ended = conn.as_mut() => return Some(ended),
         _ = drain.cancelled() => shut(conn.as_mut()),
     }

@@ -1,12 +1,13 @@
 //! What a new connection's first bytes say, read with a peek so that they stay in the
 //! socket for hyper: the HTTP version, and for HTTP/1 the head of the first request when
-//! it arrived whole (for [`super::early`]).
+//! it has arrived whole (for [`super::early`]).
 
 use std::mem::MaybeUninit;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use http::{HeaderName, HeaderValue, Method, Request, Uri, Version};
+use http::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Uri, Version};
 use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -76,37 +77,65 @@ pub(super) async fn sniff_stream(
     Some(Sniffed::NeedMore)
 }
 
-/// The longest first-request head [`peek_head`] reads; a longer one is left to hyper.
-const MAX_PEEKED_HEAD: usize = 8 * 1024;
-/// The most header fields [`parse_head`] reads; more are left to hyper.
+/// The most bytes of a first request [`peek_request`] looks at, head and body: a
+/// request that does not fit is left to hyper.
+const MAX_PEEKED: usize = 8 * 1024;
+/// The most header fields [`parse_request`] reads; more are left to hyper.
 const MAX_PEEKED_FIELDS: usize = 64;
 
-/// The head of the first request on an HTTP/1 connection, read with a peek: the bytes
-/// stay in the socket, and hyper parses them again when it serves the connection.
-/// `None` when the head has not all arrived yet, is longer than [`MAX_PEEKED_HEAD`], or
-/// is malformed (hyper answers that one).
+/// What a peek at the start of an HTTP/1 connection found.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // returned and matched at once, never kept
+pub(super) enum Peeked {
+    /// The first request's head, with all of its body (if any) behind it in the socket.
+    Whole(Request<()>),
+    /// A proper beginning; more bytes may complete it.
+    Partial,
+    /// Not a request that can wait before hyper reads it: longer than [`MAX_PEEKED`], a
+    /// body of unknown length (chunked), or a head hyper would refuse (hyper answers it).
+    Unusable,
+}
+
+/// Peeks at the first request on an HTTP/1 connection: the bytes stay in the socket,
+/// and hyper parses them again when it serves the connection.
 ///
-/// It does not wait: the version peek has just seen the first bytes, and a client
-/// sends a small head in one piece; one that trickles in is simply left to hyper.
-pub(super) fn peek_head(stream: &TcpStream) -> Option<Request<()>> {
-    let mut bytes = [MaybeUninit::<u8>::uninit(); MAX_PEEKED_HEAD];
+/// It does not wait. Right after the version peek the socket's readiness is still set,
+/// so the peek returns at once; were it to find nothing, hyper's own read would wait
+/// for the next bytes, as it would have anyway.
+pub(super) fn peek_request(stream: &TcpStream) -> Peeked {
+    let mut bytes = [MaybeUninit::<u8>::uninit(); MAX_PEEKED];
     let mut buf = ReadBuf::uninit(&mut bytes);
-    // A peek that would block registers this waker in place of nobody's; hyper's own
-    // read registers its waker later.
     let mut cx = Context::from_waker(Waker::noop());
     match stream.poll_peek(&mut cx, &mut buf) {
-        Poll::Ready(Ok(seen)) if seen > 0 => parse_head(buf.filled()),
-        _ => None,
+        Poll::Ready(Ok(seen)) if seen > 0 => parse_request(buf.filled()),
+        Poll::Pending => Peeked::Partial,
+        Poll::Ready(_) => Peeked::Unusable,
     }
 }
 
-/// Parses a complete request head as hyper would (`None` if incomplete or invalid).
-fn parse_head(bytes: &[u8]) -> Option<Request<()>> {
+/// Parses the start of a connection as hyper would. Only a request whose body has all
+/// arrived is [`Peeked::Whole`]: once admitted it holds a concurrency permit, and a
+/// body still to come would hold it for as long as the client takes to send it.
+fn parse_request(bytes: &[u8]) -> Peeked {
     let mut fields = [httparse::EMPTY_HEADER; MAX_PEEKED_FIELDS];
     let mut head = httparse::Request::new(&mut fields);
-    let httparse::Status::Complete(_) = head.parse(bytes).ok()? else {
-        return None;
+    let head_len = match head.parse(bytes) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if bytes.len() < MAX_PEEKED => return Peeked::Partial,
+        _ => return Peeked::Unusable,
     };
+    let Some(req) = request_from(&head) else {
+        return Peeked::Unusable;
+    };
+    match declared_body(req.headers()) {
+        Some(body) if (bytes.len() - head_len) as u64 >= body => Peeked::Whole(req),
+        Some(body) if (head_len as u64).saturating_add(body) < MAX_PEEKED as u64 => Peeked::Partial,
+        _ => Peeked::Unusable,
+    }
+}
+
+/// The `http` form of a parsed head; `None` where hyper would refuse it.
+fn request_from(head: &httparse::Request<'_, '_>) -> Option<Request<()>> {
     let version = match head.version? {
         0 => Version::HTTP_10,
         _ => Version::HTTP_11,
@@ -127,6 +156,25 @@ fn parse_head(bytes: &[u8]) -> Option<Request<()>> {
     Some(req)
 }
 
+/// The length of the body behind a request head, when the head says it up front: 0
+/// without one, else its single, well-formed `Content-Length`. `None` for a chunked
+/// body and for anything hyper might refuse (several lengths, a malformed one).
+fn declared_body(headers: &HeaderMap) -> Option<u64> {
+    if headers.contains_key(TRANSFER_ENCODING) {
+        return None;
+    }
+    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+    match (lengths.next(), lengths.next()) {
+        (None, _) => Some(0),
+        (Some(length), None)
+            if !length.is_empty() && length.as_bytes().iter().all(u8::is_ascii_digit) =>
+        {
+            length.to_str().ok()?.parse().ok()
+        }
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,13 +193,27 @@ mod tests {
         assert_eq!(sniff(b"PRI * HTTP/1.1\r\n"), Sniffed::Http1);
     }
 
+    fn whole(bytes: &[u8]) -> Request<()> {
+        match parse_request(bytes) {
+            Peeked::Whole(req) => req,
+            other => panic!("{other:?} for {:?}", String::from_utf8_lossy(bytes)),
+        }
+    }
+
+    fn is_partial(bytes: &[u8]) -> bool {
+        matches!(parse_request(bytes), Peeked::Partial)
+    }
+
+    fn is_unusable(bytes: &[u8]) -> bool {
+        matches!(parse_request(bytes), Peeked::Unusable)
+    }
+
     #[test]
-    fn reads_a_whole_head_as_hyper_will() {
-        let req = parse_head(
+    fn reads_a_whole_request_as_hyper_will() {
+        let req = whole(
             b"GET http://api.example:8080/v1?q=1 HTTP/1.1\r\nHost: api.example:8080\r\n\
-              X-Two: a\r\nx-two: b\r\n\r\nbody bytes after the head",
-        )
-        .unwrap();
+              X-Two: a\r\nx-two: b\r\n\r\n",
+        );
         assert_eq!(req.method(), Method::GET);
         assert_eq!(req.uri(), "http://api.example:8080/v1?q=1");
         assert_eq!(req.version(), Version::HTTP_11);
@@ -159,24 +221,62 @@ mod tests {
         let two: Vec<_> = req.headers().get_all("x-two").iter().collect();
         assert_eq!(two, ["a", "b"]);
 
-        let old = parse_head(b"POST /x HTTP/1.0\r\n\r\n").unwrap();
+        let old = whole(b"DELETE /x HTTP/1.0\r\n\r\n");
         assert_eq!(
             (old.method(), old.version()),
-            (&Method::POST, Version::HTTP_10)
+            (&Method::DELETE, Version::HTTP_10)
         );
-        let connect = parse_head(b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").unwrap();
+        let connect = whole(b"CONNECT a.example:443 HTTP/1.1\r\n\r\n");
         assert_eq!(connect.uri().authority().unwrap(), "a.example:443");
+        // A pipelined request behind the first does not matter.
+        whole(b"GET /1 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\n\r\n");
     }
 
     #[test]
-    fn leaves_a_partial_or_bad_head_to_hyper() {
-        assert!(parse_head(b"GET / HTTP/1.1\r\nHost: a\r\n").is_none());
-        assert!(parse_head(b"GET / HTTP/1.1\r\nHost: a\r\n\r").is_none());
-        assert!(parse_head(b"GET /\x01 HTTP/1.1\r\n\r\n").is_none());
-        assert!(parse_head(b"NOT HTTP AT ALL\r\n\r\n").is_none());
+    fn a_request_is_whole_only_with_all_of_its_body() {
+        whole(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello");
+        whole(b"POST /x HTTP/1.1\r\nContent-Length: 0\r\n\r\n");
+        assert!(is_partial(
+            b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhel"
+        ));
+        assert!(is_partial(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\n"));
+        // A body that cannot be all there before the peek's limit, or whose length is
+        // not known up front, is left to hyper.
+        assert!(is_unusable(
+            b"POST /x HTTP/1.1\r\nContent-Length: 9000\r\n\r\nhello"
+        ));
+        assert!(is_unusable(
+            b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        ));
+    }
+
+    #[test]
+    fn leaves_what_hyper_would_refuse_to_hyper() {
+        assert!(is_unusable(
+            b"POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n"
+        ));
+        assert!(is_unusable(
+            b"POST /x HTTP/1.1\r\nContent-Length: +5\r\n\r\nhello"
+        ));
+        assert!(is_unusable(
+            b"POST /x HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"
+        ));
+        assert!(is_unusable(b"GET /\x01 HTTP/1.1\r\n\r\n"));
+        assert!(is_unusable(b"NOT HTTP AT ALL\r\n\r\n"));
         let many: String = (0..MAX_PEEKED_FIELDS + 1)
             .map(|i| format!("x-{i}: v\r\n"))
             .collect();
-        assert!(parse_head(format!("GET / HTTP/1.1\r\n{many}\r\n").as_bytes()).is_none());
+        assert!(is_unusable(
+            format!("GET / HTTP/1.1\r\n{many}\r\n").as_bytes()
+        ));
+    }
+
+    #[test]
+    fn a_head_in_pieces_is_partial_until_the_limit() {
+        assert!(is_partial(b"GET / HTTP/1.1\r\nHost: a\r\n"));
+        assert!(is_partial(b"GET / HTTP/1.1\r\nHost: a\r\n\r"));
+        assert!(is_partial(b"GE"));
+        let long = format!("GET / HTTP/1.1\r\nCookie: {}", "c".repeat(MAX_PEEKED));
+        assert!(is_unusable(&long.as_bytes()[..MAX_PEEKED]));
     }
 }

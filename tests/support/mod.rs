@@ -1145,7 +1145,8 @@ pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> RawResponse {
 }
 
 /// Reads one response from `stream`, which stays open for the next request (when the
-/// response has a `Content-Length`; without one, the body runs to the close).
+/// response has a `Content-Length`; without one, the body runs to the close). Bytes
+/// read past the response are lost: not for pipelined requests.
 pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
     let mut buf = Vec::new();
     let head_end = loop {
