@@ -20,7 +20,6 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
 use std::time::Duration;
 
 use tokio::io::Interest;
@@ -32,18 +31,28 @@ use super::sniff::{peek_request, Peeked};
 use crate::limit::layer::Admission;
 use crate::proxy::Proxy;
 
-/// What became of a connection's first request before hyper.
-pub(super) enum FirstRequest {
-    /// It did not wait here: it did not fit the peek, or its group lets it leave now.
-    /// hyper serves it like any other.
-    NotHeld,
-    /// It waited here and was admitted or refused; the connection's first request
-    /// carries this outcome.
-    Decided(Admission),
+/// A connection for hyper to serve, after [`wait_in_group`].
+pub(super) struct ForHyper {
+    /// The client's socket.
+    pub stream: TcpStream,
+    /// The outcome of the first request's wait, when it waited here.
+    pub admission: Option<Admission>,
+    /// The socket was registered with the reactor afresh (see [`register_again`]):
+    /// hyper's first read needs a turn of the reactor, so hyper must not be told to shut
+    /// down before that read (it would close the connection unread).
+    pub registered_again: bool,
+}
+
+/// Why a connection ended before hyper served it.
+#[derive(Debug)]
+pub(super) enum Ended {
     /// The client closed the connection while its request waited: nothing was sent.
-    Left,
+    ClientLeft,
     /// Shutdown's grace ran out while it waited.
     Cut,
+    /// The socket could not be registered with the reactor again (out of memory, or of
+    /// epoll watches).
+    Unregistered(io::Error),
 }
 
 /// How many times a first request that arrives in pieces is looked at again (one look
@@ -54,69 +63,65 @@ const LOOKS: usize = 8;
 /// `within` of now, for one that comes in pieces) and its group would make it wait;
 /// see the module documentation.
 pub(super) async fn wait_in_group(
-    stream: &TcpStream,
+    stream: TcpStream,
     proxy: &Proxy,
     local: SocketAddr,
     within: Duration,
     cut: &CancellationToken,
-) -> FirstRequest {
+) -> Result<ForHyper, Ended> {
     let arrived = Instant::now();
-    let (mut head, watch) = match peek_request(stream) {
-        Peeked::Whole(head) => (head, None),
-        Peeked::Partial => match rest_of_request(stream, arrived + within).await {
-            Some((head, watch)) => (head, Some(watch)),
-            None => return FirstRequest::NotHeld,
-        },
-        Peeked::Unusable => return FirstRequest::NotHeld,
-    };
-    let Some((group, cost)) = proxy.queue_ahead(&mut head, local) else {
-        return FirstRequest::NotHeld;
-    };
-    drop(head);
-    let Some(watch) = watch.or_else(|| watch_socket(stream)) else {
-        return FirstRequest::NotHeld;
-    };
-    let deadline = arrived + group.settings.max_wait;
-    // Shutdown's drain does not end the wait: the request was made, and is served or
-    // refused like one waiting inside hyper. A client that left is looked at first, so
-    // that a request whose client is gone does not take a slot it will never use.
-    tokio::select! {
-        biased;
-        () = client_leaves(&watch) => FirstRequest::Left,
-        () = cut.cancelled() => FirstRequest::Cut,
-        outcome = group.admit(cost, arrived, deadline, false) => {
-            FirstRequest::Decided(Admission { group: group.clone(), arrived, outcome })
+    // Whether this socket's readiness was spent here (see `register_again`).
+    let mut spent = false;
+    let head = match peek_request(&stream) {
+        Peeked::Whole(head) => Some(head),
+        Peeked::Partial => {
+            spent = true;
+            rest_of_request(&stream, arrived + within).await
         }
+        Peeked::Unusable => None,
+    };
+    let queue = head.and_then(|mut head| proxy.queue_ahead(&mut head, local));
+    let mut admission = None;
+    if let Some((group, cost)) = queue {
+        spent = true;
+        let deadline = arrived + group.settings.max_wait;
+        // Shutdown's drain does not end the wait: the request was made, and is served
+        // or refused like one waiting inside hyper. A client that left is looked at
+        // first, so that a request whose client is gone does not take a slot.
+        let outcome = tokio::select! {
+            biased;
+            () = client_leaves(&stream) => return Err(Ended::ClientLeft),
+            () = cut.cancelled() => return Err(Ended::Cut),
+            outcome = group.admit(cost, arrived, deadline, false) => outcome,
+        };
+        admission = Some(Admission {
+            group,
+            arrived,
+            outcome,
+        });
     }
-}
-
-/// A second descriptor of the client's socket, registered with the reactor on its own.
-/// Waiting on it for more bytes or for the client to leave means forgetting the
-/// readiness that bytes already there raised; on the socket hyper will read, that would
-/// leave hyper's first read waiting for an event that never comes (epoll reports a
-/// change once). `None` if the descriptor cannot be had: the request waits in hyper.
-fn watch_socket(stream: &TcpStream) -> Option<TcpStream> {
-    let fd = stream.as_fd().try_clone_to_owned().ok()?;
-    // Non-blocking already: the flag belongs to the socket, which both descriptors share.
-    TcpStream::from_std(std::net::TcpStream::from(fd)).ok()
+    let stream = match spent {
+        true => register_again(stream).map_err(Ended::Unregistered)?,
+        false => stream,
+    };
+    Ok(ForHyper {
+        stream,
+        admission,
+        registered_again: spent,
+    })
 }
 
 /// Waits for the rest of a first request that arrives in pieces, for a few looks and
-/// until `give_up`; the request and the watch it was seen on (see [`watch_socket`]).
-async fn rest_of_request(
-    stream: &TcpStream,
-    give_up: Instant,
-) -> Option<(http::Request<()>, TcpStream)> {
-    let watch = watch_socket(stream)?;
+/// until `give_up`.
+async fn rest_of_request(stream: &TcpStream, give_up: Instant) -> Option<http::Request<()>> {
     for _ in 0..LOOKS {
-        // A new registration reports the bytes already there, so the first wait ends at
-        // once; each later one waits for more bytes (or the client's leaving).
-        let ready = tokio::time::timeout_at(give_up, watch.readable()).await;
-        ready.ok()?.ok()?;
-        match peek_request(&watch) {
-            Peeked::Whole(head) => return Some((head, watch)),
+        forget_readiness(stream);
+        let more = tokio::time::timeout_at(give_up, stream.readable()).await;
+        more.ok()?.ok()?;
+        match peek_request(stream) {
+            Peeked::Whole(head) => return Some(head),
             Peeked::Unusable => return None,
-            Peeked::Partial => forget_readiness(&watch),
+            Peeked::Partial => {}
         }
     }
     None
@@ -125,19 +130,28 @@ async fn rest_of_request(
 /// Resolves when the client closes its side of the connection, or the connection fails.
 /// Only readiness is looked at, never the bytes: the request, and anything the client
 /// sends after it, stay in the socket for hyper.
-async fn client_leaves(watch: &TcpStream) {
+async fn client_leaves(stream: &TcpStream) {
     loop {
-        match watch.ready(Interest::READABLE).await {
+        match stream.ready(Interest::READABLE).await {
             // Bytes (a pipelined request) are not a leave: wait for the next change.
-            Ok(ready) if !ready.is_read_closed() => forget_readiness(watch),
+            Ok(ready) if !ready.is_read_closed() => forget_readiness(stream),
             _ => return,
         }
     }
 }
 
-/// Clears `watch`'s read readiness (not a closed one), so the next wait is for a change.
-fn forget_readiness(watch: &TcpStream) {
-    let _ = watch.try_io(Interest::READABLE, || {
+/// Clears the socket's read readiness (not a closed one), so that the next wait is for
+/// a change: more bytes, or the client leaving.
+fn forget_readiness(stream: &TcpStream) {
+    let _ = stream.try_io(Interest::READABLE, || {
         Err::<(), _>(io::ErrorKind::WouldBlock.into())
     });
+}
+
+/// `stream` registered afresh with the reactor. Waiting here cleared the readiness that
+/// the unread request raised, and epoll (edge-triggered) reports it only once: hyper's
+/// first read would wait for an event that never comes. A new registration reports the
+/// bytes already there, at the reactor's next turn.
+fn register_again(stream: TcpStream) -> io::Result<TcpStream> {
+    TcpStream::from_std(stream.into_std()?)
 }

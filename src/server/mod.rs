@@ -29,7 +29,7 @@ use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
 
-use early::FirstRequest;
+use early::Ended;
 use sniff::{sniff_stream, Sniffed};
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
@@ -300,40 +300,55 @@ impl Client {
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
                 let wait = early::wait_in_group(
-                    &stream,
+                    stream,
                     &proxy,
                     local,
                     self.protocols.header_timeout,
                     &cut,
                 );
-                let first = match wait.await {
-                    FirstRequest::NotHeld => None,
-                    FirstRequest::Decided(admission) => Some(admission),
-                    FirstRequest::Left => {
+                let ready = match wait.await {
+                    Ok(ready) => ready,
+                    Err(Ended::ClientLeft) => {
                         tracing::debug!(%remote, "client left while its request waited");
                         return;
                     }
-                    FirstRequest::Cut => {
+                    Err(Ended::Cut) => {
                         tracing::debug!(%remote, "connection cut at shutdown");
                         return;
                     }
+                    Err(Ended::Unregistered(e)) => {
+                        tracing::warn!(%remote, error = %e, "dropped a connection whose request waited: cannot watch its socket");
+                        return;
+                    }
                 };
-                // The outcome of that wait goes with the first request only.
-                let first = std::cell::Cell::new(first);
-                let service = service_fn(move |req| {
-                    let proxy = proxy.clone();
-                    let early = first.take();
-                    async move { Ok::<_, Infallible>(proxy.handle(req, local, early).await) }
-                });
-                // Shutdown may have begun while the request waited: it was asked before
-                // the listener closed, so it is served (`until_closed` lets hyper read it
-                // before telling it to finish), and the connection closes after.
+                // hyper must read the request before it is told to finish (it closes a
+                // connection it has not read from): told when the first request is in.
+                let first_in = ready.registered_again.then(CancellationToken::new);
+                // The outcome of the wait goes with the first request only.
+                let first = std::cell::Cell::new(ready.admission);
+                let service = {
+                    let first_in = first_in.clone();
+                    service_fn(move |req| {
+                        if let Some(first_in) = &first_in {
+                            first_in.cancel();
+                        }
+                        let proxy = proxy.clone();
+                        let early = first.take();
+                        async move { Ok::<_, Infallible>(proxy.handle(req, local, early).await) }
+                    })
+                };
+                let drain = async {
+                    if let Some(first_in) = first_in {
+                        first_in.cancelled().await;
+                    }
+                    drain.cancelled().await
+                };
                 let conn = self
                     .protocols
                     .http1
-                    .serve_connection(TokioIo::new(stream), service)
+                    .serve_connection(TokioIo::new(ready.stream), service)
                     .with_upgrades();
-                until_closed(conn, |c| c.graceful_shutdown(), &drain, &cut).await
+                until_closed(conn, |c| c.graceful_shutdown(), drain, &cut).await
             }
         };
         match ended {
@@ -379,7 +394,7 @@ async fn serve_http2(
     let conn = protocols.http2.serve_connection(io, service);
     // Its own drain token, so that an idle close does not touch other connections.
     let drain = drain.child_token();
-    let serving = until_closed(conn, |c| c.graceful_shutdown(), &drain, cut);
+    let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut);
     let limit = protocols.header_timeout;
     let watch = async {
         idle.for_at_least(limit).await;
@@ -447,12 +462,12 @@ impl Drop for OpenStream {
     }
 }
 
-/// Drives a hyper connection to its end; when `drain` fires first, starts its graceful
-/// shutdown (`shut`) and goes on; `None` when `cut` closed it.
+/// Drives a hyper connection to its end; when `drain` completes first, starts its
+/// graceful shutdown (`shut`) and goes on; `None` when `cut` closed it.
 async fn until_closed<C>(
     conn: C,
     shut: impl FnOnce(Pin<&mut C>),
-    drain: &CancellationToken,
+    drain: impl Future<Output = ()>,
     cut: &CancellationToken,
 ) -> Option<Result<(), hyper::Error>>
 where
@@ -461,10 +476,10 @@ where
     tokio::pin!(conn);
     tokio::select! {
         // The connection first: hyper closes one it is told to shut down before it has
-        // read anything, so its first poll must read the request already waiting.
+        // read anything, so its first poll must read a request that is already there.
         biased;
         ended = conn.as_mut() => return Some(ended),
-        _ = drain.cancelled() => shut(conn.as_mut()),
+        () = drain => shut(conn.as_mut()),
     }
     tokio::select! {
         ended = conn => Some(ended),
