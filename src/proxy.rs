@@ -128,7 +128,7 @@ impl Proxy {
 
     /// Serves one request from a client connected to `local`. Never fails. `early` is
     /// the outcome of its wait in its group when it waited before hyper read it (see
-    /// [`Proxy::queue_ahead`]).
+    /// [`Proxy::group_to_wait_in`]).
     pub async fn handle(
         &self,
         req: Request<Incoming>,
@@ -170,7 +170,7 @@ impl Proxy {
     /// when it would leave at once (or cannot be classified: [`Proxy::handle`] answers
     /// that). Decides exactly as [`Proxy::handle`] will for the same head, so a new
     /// connection's first request can wait before hyper reads it (`server::early`).
-    pub fn queue_ahead(
+    pub fn group_to_wait_in(
         &self,
         head: &mut Request<()>,
         local: SocketAddr,

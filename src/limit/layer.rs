@@ -140,9 +140,14 @@ where
                 .extensions_mut()
                 .remove::<Handoff<Admission>>()
                 .and_then(|handoff| handoff.take())
-                // Decided from the same head, so always the same group; were it ever
-                // not, the request queues again rather than spend another group's slot.
-                .filter(|admission| Arc::ptr_eq(&admission.group, &group));
+                // Decided from the same bytes by the same classifier, and the admission
+                // keeps its group alive, so it is this request's group. Were it ever not,
+                // the request would queue in its own group (the other's permit dropped,
+                // its slot spent).
+                .filter(|admission| {
+                    debug_assert!(Arc::ptr_eq(&admission.group, &group), "early group differs");
+                    Arc::ptr_eq(&admission.group, &group)
+                });
             let outcome = match early {
                 Some(admission) => admission.outcome,
                 None => group.admit(cost, arrived, deadline, front).await,

@@ -7,7 +7,7 @@
 //! a request waiting inside hyper held ≈ 15 KiB (BENCHMARKS.md, "Queue memory"). Here the
 //! first request is read with a peek, which leaves the bytes in the kernel's socket
 //! buffer, and classified as [`Proxy::handle`] will classify it. When its group would
-//! make it wait ([`Proxy::queue_ahead`]) it waits here, in the same queue and the same
+//! make it wait ([`Proxy::group_to_wait_in`]) it waits here, in the same queue and the same
 //! order as every other request of the group; hyper starts once it is admitted or
 //! refused, and the outcome rides with the connection to its first request
 //! ([`Admission`]), which the throttle does not queue again.
@@ -20,7 +20,6 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -59,14 +58,14 @@ pub(super) enum Ended {
 /// per arrival of more bytes) before it is left to hyper.
 const LOOKS: usize = 8;
 
-/// Waits in its group for the first request on `stream` when it has all arrived (within
-/// `within` of now, for one that comes in pieces) and its group would make it wait;
-/// see the module documentation.
+/// Waits in its group for the first request on `stream` when it has all arrived (by
+/// `give_up`, for one that comes in pieces) and its group would make it wait; see the
+/// module documentation.
 pub(super) async fn wait_in_group(
     stream: TcpStream,
     proxy: &Proxy,
     local: SocketAddr,
-    within: Duration,
+    give_up: Instant,
     cut: &CancellationToken,
 ) -> Result<ForHyper, Ended> {
     let arrived = Instant::now();
@@ -76,11 +75,11 @@ pub(super) async fn wait_in_group(
         Peeked::Whole(head) => Some(head),
         Peeked::Partial => {
             spent = true;
-            rest_of_request(&stream, arrived + within).await
+            rest_of_request(&stream, give_up).await
         }
         Peeked::Unusable => None,
     };
-    let queue = head.and_then(|mut head| proxy.queue_ahead(&mut head, local));
+    let queue = head.and_then(|mut head| proxy.group_to_wait_in(&mut head, local));
     let mut admission = None;
     if let Some((group, cost)) = queue {
         spent = true;
@@ -115,13 +114,19 @@ pub(super) async fn wait_in_group(
 /// until `give_up`.
 async fn rest_of_request(stream: &TcpStream, give_up: Instant) -> Option<http::Request<()>> {
     for _ in 0..LOOKS {
-        forget_readiness(stream);
         let more = tokio::time::timeout_at(give_up, stream.readable()).await;
         more.ok()?.ok()?;
-        match peek_request(stream) {
-            Peeked::Whole(head) => return Some(head),
-            Peeked::Unusable => return None,
-            Peeked::Partial => {}
+        // Looked at inside `try_io`: a partial request counts as "would block", which
+        // clears the readiness this look saw and no later one, so bytes that arrive
+        // meanwhile still wake the next wait.
+        let looked = stream.try_io(Interest::READABLE, || match peek_request(stream) {
+            Peeked::Partial => Err(io::ErrorKind::WouldBlock.into()),
+            decided => Ok(decided),
+        });
+        match looked {
+            Ok(Peeked::Whole(head)) => return Some(head),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Ok(_) | Err(_) => return None,
         }
     }
     None
@@ -140,8 +145,8 @@ async fn client_leaves(stream: &TcpStream) {
     }
 }
 
-/// Clears the socket's read readiness (not a closed one), so that the next wait is for
-/// a change: more bytes, or the client leaving.
+/// Clears the socket's read readiness (never a closed one, which is all `client_leaves`
+/// waits for), so that the next wait is for a change.
 fn forget_readiness(stream: &TcpStream) {
     let _ = stream.try_io(Interest::READABLE, || {
         Err::<(), _>(io::ErrorKind::WouldBlock.into())
@@ -154,4 +159,145 @@ fn forget_readiness(stream: &TcpStream) {
 /// bytes already there, at the reactor's next turn.
 fn register_again(stream: TcpStream) -> io::Result<TcpStream> {
     TcpStream::from_std(stream.into_std()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::limit::Group;
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    /// One group for the loopback host, one request in flight at a time.
+    const ONE_AT_A_TIME: &str =
+        "[[limit]]\nname = \"one\"\nhosts = [\"127.0.0.1\"]\nconcurrency = 1\n";
+    const REQUEST: &[u8] = b"GET http://127.0.0.1:9/x HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n";
+    /// Bounds a wait that only a bug makes long (these are not timings).
+    const BOUND: Duration = Duration::from_secs(10);
+
+    fn proxy() -> (Proxy, Arc<Group>) {
+        let proxy = Proxy::new(&Config::parse(ONE_AT_A_TIME, "t.toml").unwrap()).unwrap();
+        let group = proxy.limits().group_for("127.0.0.1", None);
+        (proxy, group)
+    }
+
+    /// The client's end and tollgate's, after the client sent `sent` and tollgate's
+    /// version peek saw it (as `Client::serve` has when it calls `wait_in_group`).
+    async fn connection(sent: &[u8]) -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        client.write_all(sent).await.unwrap();
+        server.peek(&mut [0u8; 1]).await.unwrap();
+        (client, server)
+    }
+
+    async fn until_queued(group: &Group, n: usize) {
+        while group.status().queued != n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_busy_group_holds_the_request_here_and_hyper_finds_every_byte() {
+        let (proxy, group) = proxy();
+        let now = Instant::now();
+        let permit = group.admit(1, now, now + BOUND, false).await.unwrap();
+        let (_client, server) = connection(REQUEST).await;
+        let local = server.local_addr().unwrap();
+        let cut = CancellationToken::new();
+        let wait = wait_in_group(server, &proxy, local, now + BOUND, &cut);
+        tokio::pin!(wait);
+        tokio::select! {
+            biased;
+            _ = &mut wait => panic!("it left while the group's only permit was taken"),
+            () = until_queued(&group, 1) => {}
+        }
+
+        drop(permit);
+        let mut ready = wait.await.expect("admitted");
+        assert!(matches!(
+            &ready.admission,
+            Some(Admission { outcome: Ok(_), .. })
+        ));
+        assert!(ready.registered_again);
+        assert_eq!(group.status().queued, 0);
+        // Unread: every byte of the request is still there for hyper.
+        let mut got = vec![0u8; REQUEST.len()];
+        tokio::time::timeout(BOUND, ready.stream.read_exact(&mut got))
+            .await
+            .expect("the request's bytes are readable")
+            .unwrap();
+        assert_eq!(got, REQUEST);
+    }
+
+    #[tokio::test]
+    async fn a_request_in_pieces_is_held_once_it_is_whole() {
+        let (proxy, group) = proxy();
+        let now = Instant::now();
+        let permit = group.admit(1, now, now + BOUND, false).await.unwrap();
+        let (mut client, server) = connection(&REQUEST[..20]).await;
+        let local = server.local_addr().unwrap();
+        let cut = CancellationToken::new();
+        let wait = wait_in_group(server, &proxy, local, now + BOUND, &cut);
+        tokio::pin!(wait);
+        tokio::select! {
+            biased;
+            _ = &mut wait => panic!("it did not wait for the rest"),
+            () = async {
+                for piece in [&REQUEST[20..40], &REQUEST[40..]] {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    client.write_all(piece).await.unwrap();
+                }
+                until_queued(&group, 1).await;
+            } => {}
+        }
+        drop(permit);
+        let ready = wait.await.expect("admitted");
+        assert!(ready.admission.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_ends_the_wait_and_takes_nothing() {
+        let (proxy, group) = proxy();
+        let now = Instant::now();
+        let _permit = group.admit(1, now, now + BOUND, false).await.unwrap();
+        let (client, server) = connection(REQUEST).await;
+        let local = server.local_addr().unwrap();
+        let cut = CancellationToken::new();
+        let wait = wait_in_group(server, &proxy, local, now + BOUND, &cut);
+        tokio::pin!(wait);
+        tokio::select! {
+            biased;
+            _ = &mut wait => panic!("it left while the group's only permit was taken"),
+            () = until_queued(&group, 1) => {}
+        }
+        drop(client);
+        let ended = tokio::time::timeout(BOUND, wait).await.expect("noticed");
+        assert!(matches!(ended, Err(Ended::ClientLeft)), "{:?}", ended.err());
+        assert_eq!(group.status().queued, 0);
+        let metrics = proxy.metrics().encode();
+        assert!(
+            metrics.contains(r#"tollgate_requests_total{group="one",outcome="cancelled"} 1"#),
+            "{metrics}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_that_may_leave_now_is_left_to_hyper_untouched() {
+        let (proxy, _group) = proxy();
+        let (_client, server) = connection(REQUEST).await;
+        let local = server.local_addr().unwrap();
+        let cut = CancellationToken::new();
+        let ready = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut)
+            .await
+            .expect("served");
+        assert!(ready.admission.is_none());
+        assert!(!ready.registered_again);
+    }
 }

@@ -284,8 +284,8 @@ impl Client {
     /// socket: hyper's read buffer then grows to 16 KiB on the very first request, which
     /// every waiting client connection paid (BENCHMARKS.md, "Queue memory").
     async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
-        let Some(version) = sniff_stream(&stream, self.protocols.header_timeout, &drain).await
-        else {
+        let give_up = Instant::now() + self.protocols.header_timeout;
+        let Some(version) = sniff_stream(&stream, give_up, &drain).await else {
             tracing::debug!(remote = %self.remote, "client sent no request");
             return;
         };
@@ -299,13 +299,7 @@ impl Client {
                 Box::pin(serving).await
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
-                let wait = early::wait_in_group(
-                    stream,
-                    &proxy,
-                    local,
-                    self.protocols.header_timeout,
-                    &cut,
-                );
+                let wait = early::wait_in_group(stream, &proxy, local, give_up, &cut);
                 let ready = match wait.await {
                     Ok(ready) => ready,
                     Err(Ended::ClientLeft) => {

@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use http::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::header::{CONTENT_LENGTH, EXPECT, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Uri, Version};
 use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
@@ -47,19 +47,21 @@ const LOOKS_AGAIN: u32 = 5;
 const FIRST_LOOK_AGAIN: Duration = Duration::from_millis(10);
 
 /// Peeks at the first bytes of `stream` (leaving them for hyper) until they tell the
-/// HTTP version. `None` when the client closes, stays silent for `within`, or shutdown
+/// HTTP version. `None` when the client closes, stays silent until `give_up`, or shutdown
 /// begins first (`drain`: nothing was asked yet, so nothing is lost); a preface still
 /// incomplete after a few looks is served as HTTP/1, which answers it with an error.
 pub(super) async fn sniff_stream(
     stream: &TcpStream,
-    within: Duration,
+    give_up: Instant,
     drain: &CancellationToken,
 ) -> Option<Sniffed> {
-    let give_up = Instant::now() + within;
     let mut first = [0u8; H2_PREFACE.len()];
     let mut wait = FIRST_LOOK_AGAIN;
     for _ in 0..=LOOKS_AGAIN {
         let seen = tokio::select! {
+            // The bytes first: a request that is already there when shutdown begins was
+            // asked before the listener closed.
+            biased;
             peeked = tokio::time::timeout_at(give_up, stream.peek(&mut first)) => match peeked {
                 Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
                 Ok(Ok(seen)) => seen,
@@ -99,9 +101,8 @@ pub(super) enum Peeked {
 /// Peeks at the first request on an HTTP/1 connection: the bytes stay in the socket,
 /// and hyper parses them again when it serves the connection.
 ///
-/// It does not wait. Right after the version peek the socket's readiness is still set,
-/// so the peek returns at once; were it to find nothing, hyper's own read would wait
-/// for the next bytes, as it would have anyway.
+/// It does not wait: right after the version peek the socket's readiness is still set,
+/// so the peek returns at once. Finding nothing counts as [`Peeked::Partial`].
 pub(super) fn peek_request(stream: &TcpStream) -> Peeked {
     let mut bytes = [MaybeUninit::<u8>::uninit(); MAX_PEEKED];
     let mut buf = ReadBuf::uninit(&mut bytes);
@@ -129,7 +130,11 @@ fn parse_request(bytes: &[u8]) -> Peeked {
     };
     match declared_body(req.headers()) {
         Some(body) if (bytes.len() - head_len) as u64 >= body => Peeked::Whole(req),
-        Some(body) if (head_len as u64).saturating_add(body) < MAX_PEEKED as u64 => Peeked::Partial,
+        // `Expect: 100-continue`: the body comes once hyper has answered `100`.
+        _ if req.headers().contains_key(EXPECT) => Peeked::Unusable,
+        Some(body) if (head_len as u64).saturating_add(body) <= MAX_PEEKED as u64 => {
+            Peeked::Partial
+        }
         _ => Peeked::Unusable,
     }
 }
@@ -240,6 +245,10 @@ mod tests {
             b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhel"
         ));
         assert!(is_partial(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\n"));
+        // Its client waits for hyper's `100 Continue` before it sends the body.
+        let expect = b"POST /x HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n";
+        assert!(is_unusable(expect));
+        whole(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\nhello");
         // A body that cannot be all there before the peek's limit, or whose length is
         // not known up front, is left to hyper.
         assert!(is_unusable(
