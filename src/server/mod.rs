@@ -3,6 +3,11 @@
 //! HTTP/1.1 with keep-alive, HTTP/2 where the client offers it (prior knowledge), and
 //! upgrades so CONNECT can take over the connection. The caller binds the listener, so
 //! tests pass one bound to port 0.
+//!
+//! * [`sniff`] — the first bytes, peeked: the HTTP version, and the first request;
+//! * [`early`] — that first request waits in its group before hyper is started;
+//! * this module — the listening sockets, the serving threads, hyper's connections and
+//!   shutdown.
 
 mod early;
 mod sniff;
