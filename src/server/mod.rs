@@ -4,8 +4,8 @@
 //! upgrades so CONNECT can take over the connection. The caller binds the listener, so
 //! tests pass one bound to port 0.
 //!
-//! * [`sniff`] — the first bytes, peeked: the HTTP version, and the first request;
-//! * [`early`] — that first request waits in its group before hyper is started;
+//! * `sniff` — the first bytes, peeked: the HTTP version, and the first request;
+//! * `early` — that first request waits in its group before hyper is started;
 //! * this module — the listening sockets, the serving threads, hyper's connections and
 //!   shutdown.
 
