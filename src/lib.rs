@@ -22,7 +22,8 @@
 //! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209).
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
-//! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
+//! file:line:column errors), [`descriptors`] (the descriptor limit and table, set up
+//! before any thread starts), [`body`] (the one streamed body type), [`metrics`] and
 //! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener).
 
 #![forbid(unsafe_code)]
@@ -32,6 +33,7 @@ pub mod admin;
 pub mod body;
 pub mod classify;
 pub mod config;
+pub mod descriptors;
 pub mod error;
 pub mod limit;
 pub mod metrics;

@@ -51,8 +51,21 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
+    // First, while this is the only thread (see `descriptors` for why).
+    let descriptors = tollgate::descriptors::prepare();
     let cli = Cli::parse();
     init_logging(cli.log_format);
+    match descriptors {
+        Ok(d) => tracing::debug!(
+            limit = ?d.limit,
+            limit_before = ?d.limit_before,
+            table = d.table,
+            "file descriptors"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot raise the file descriptor limit or grow the table")
+        }
+    }
     let path = match &cli.command {
         Some(Command::CheckConfig { file }) => file,
         None => &cli.config,

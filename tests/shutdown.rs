@@ -214,10 +214,62 @@ async fn requests_still_in_flight_after_the_grace_period_are_cut() {
 
 /// The `tollgate` binary with a clean environment (no proxy or TOLLGATE_* variables).
 fn tollgate() -> tokio::process::Command {
-    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "warn")]);
-    cmd.env_remove("TOLLGATE_CONFIG")
+    tollgate_via(env!("CARGO_BIN_EXE_tollgate"), &[])
+}
+
+/// `program args… tollgate` (a wrapper such as `prlimit` that execs the binary), with
+/// the same clean environment.
+fn tollgate_via(program: &str, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = clean_command(program, &[("RUST_LOG", "warn")]);
+    cmd.args(args)
+        .env_remove("TOLLGATE_CONFIG")
         .env_remove("TOLLGATE_LISTEN");
     cmd
+}
+
+/// Starts `cmd --config config --listen <addr>` and waits until it accepts connections.
+async fn run_listening(
+    mut cmd: tokio::process::Command,
+    config: &std::path::Path,
+) -> (tokio::process::Child, std::net::SocketAddr) {
+    // The binary cannot report a port it chose, so pick one that was free a moment ago.
+    let listen = closed_addr();
+    let mut child = cmd
+        .arg("--config")
+        .arg(config)
+        .arg("--listen")
+        .arg(listen.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tollgate runs");
+    let deadline = Instant::now() + BOUND;
+    while TcpStream::connect(listen).await.is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
+        assert!(
+            Instant::now() < deadline,
+            "tollgate never listened on {listen}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (child, listen)
+}
+
+/// The value of `field` (e.g. "FDSize:") in /proc/<pid>/status.
+fn proc_status(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap();
+    line[field.len()..].trim().parse().unwrap()
+}
+
+/// The soft limit on open files of process `pid`, from /proc/<pid>/limits.
+fn open_files_limit(pid: u32) -> u64 {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    line.split_whitespace().nth(3).unwrap().parse().unwrap()
 }
 
 #[tokio::test]
@@ -270,28 +322,8 @@ async fn binary_serves_and_exits_0_on_sigterm() {
         "tollgate.toml",
         "[proxy]\nshutdown_grace = \"5s\"\n",
     );
-    // The binary cannot report a port it chose, so pick one that was free a moment ago.
-    let listen = closed_addr();
-    let mut child = tollgate()
-        .arg("--config")
-        .arg(&config)
-        .arg("--listen")
-        .arg(listen.to_string())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("tollgate runs");
+    let (child, listen) = run_listening(tollgate(), &config).await;
     let pid = child.id().expect("running").to_string();
-
-    let deadline = Instant::now() + BOUND;
-    while TcpStream::connect(listen).await.is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
-        assert!(
-            Instant::now() < deadline,
-            "tollgate never listened on {listen}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let out = curl(
         &[
             "-x",
@@ -373,4 +405,59 @@ async fn a_request_still_waiting_in_its_group_is_served_during_the_grace() {
     let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
     assert_eq!(paths, ["/first", "/waited"]);
     proxy.shutdown().await;
+}
+
+/// Started with a soft limit of 256 descriptors, the binary raises it to the hard limit
+/// and grows its descriptor table at start (see `tollgate::descriptors`), so it holds
+/// 300 client connections at once, each with its request answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_raises_its_descriptor_limit_and_holds_more_connections_than_the_soft_one() {
+    let hard = open_files_limit(std::process::id());
+    if hard < 1024 {
+        eprintln!("skipped: this machine's hard limit on open files is {hard}");
+        return;
+    }
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_file(dir.path(), "tollgate.toml", "[proxy]\n");
+    let nofile = format!("--nofile=256:{hard}");
+    let wrapped = tollgate_via(
+        "prlimit",
+        &[nofile.as_str(), "--", env!("CARGO_BIN_EXE_tollgate")],
+    );
+    let (child, listen) = run_listening(wrapped, &config).await;
+    // prlimit execs tollgate: the same process.
+    let pid = child.id().expect("running");
+    assert_eq!(open_files_limit(pid), hard);
+    let table = proc_status(pid, "FDSize:");
+    assert!(
+        table >= hard.min(tollgate::descriptors::TABLE_AT_START),
+        "descriptor table {table}"
+    );
+
+    // 300 connections open at once, more than the soft limit the binary was given.
+    const CLIENTS: usize = 300;
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        clients.push(TcpStream::connect(listen).await.unwrap());
+    }
+    let authority = upstream.authority();
+    let mut answered = Vec::new();
+    for (i, mut client) in clients.into_iter().enumerate() {
+        let get = format!(
+            "GET http://{authority}/{i} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
+        );
+        answered.push(tokio::spawn(async move {
+            client.write_all(get.as_bytes()).await.unwrap();
+            read_response(&mut client).await.status
+        }));
+    }
+    for answer in answered {
+        assert_eq!(answer.await.unwrap(), 200);
+    }
+    let mut paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    paths.sort_by_key(|p| p[1..].parse::<usize>().unwrap());
+    let expected: Vec<_> = (0..CLIENTS).map(|i| format!("/{i}")).collect();
+    assert_eq!(paths, expected);
+    drop(child); // kill_on_drop
 }

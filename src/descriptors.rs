@@ -1,0 +1,120 @@
+//! File descriptors, set up once at start: as many as the system allows, and the
+//! process's descriptor table grown to its working size before any other thread exists.
+//!
+//! Every waiting request holds its client's socket, so a queue of 10 000 needs 10 000
+//! descriptors, and the usual soft limit (1 024) would refuse connections long before
+//! the queue is full. The soft limit is raised to the hard one, as most servers do.
+//!
+//! Why grow the table early: Linux grows a process's descriptor table by doubling (64,
+//! 128, …, 4 096, …) when a new descriptor does not fit, and in a multi-threaded process
+//! each growth waits out an RCU grace period (`synchronize_rcu` in the kernel's
+//! `expand_fdtable`). Meanwhile every thread that opens a descriptor sleeps: accepts and
+//! upstream connects stop, for 20–50 ms on the machines BENCHMARKS.md was measured on.
+//! A group at `50/s` then sends one request that much late, and all later slots with it
+//! (BENCHMARKS.md, "Throttle accuracy"). Grown here, while the process has one thread,
+//! the table never needs that wait below [`TABLE_AT_START`] descriptors. The table only
+//! costs kernel memory: 8 bytes per slot, 128 KiB for 16 384.
+
+use std::fs::File;
+use std::io;
+
+use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+
+/// Descriptors the table is grown to at start (or the limit, if lower): the default
+/// `queue` of 10 000 waiting requests plus room for in-flight requests, their upstream
+/// connections and tunnels. Beyond it the table still grows, one grace period per
+/// doubling.
+pub const TABLE_AT_START: u64 = 16_384;
+
+/// What [`prepare`] found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptors {
+    /// The soft limit on open descriptors before [`prepare`] (`None`: unlimited).
+    pub limit_before: Option<u64>,
+    /// The soft limit now: the hard limit, if raising it was allowed.
+    pub limit: Option<u64>,
+    /// Descriptors the table was grown to hold.
+    pub table: u64,
+}
+
+/// Raises the soft descriptor limit to the hard one and grows the descriptor table to
+/// [`TABLE_AT_START`] (or the limit, if lower). Call it first thing in `main`, before a
+/// runtime or any other thread starts: in a process with one thread the kernel grows the
+/// table without waiting for a grace period.
+///
+/// Neither step is needed for correctness, so a failure of either is returned for the
+/// caller to log, and the proxy runs on with what it has.
+pub fn prepare() -> io::Result<Descriptors> {
+    let before = getrlimit(Resource::Nofile);
+    let mut limit = before.current;
+    // An unlimited hard limit cannot be set as the soft one (the kernel caps it at
+    // `fs.nr_open`), so only a finite one is taken.
+    if let (Some(soft), Some(hard)) = (before.current, before.maximum) {
+        if soft < hard {
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(hard),
+                    maximum: Some(hard),
+                },
+            )?;
+            limit = Some(hard);
+        }
+    }
+    let table = limit.map_or(TABLE_AT_START, |l| l.min(TABLE_AT_START));
+    grow_table(table)?;
+    Ok(Descriptors {
+        limit_before: before.current,
+        limit,
+        table,
+    })
+}
+
+/// Makes the table hold `slots` descriptors: a duplicate numbered `slots - 1` makes the
+/// kernel grow the table to fit it, and the table keeps its size once the duplicate is
+/// closed (it never shrinks).
+fn grow_table(slots: u64) -> io::Result<()> {
+    let Some(highest) = slots.checked_sub(1) else {
+        return Ok(());
+    };
+    let highest = i32::try_from(highest).unwrap_or(i32::MAX);
+    let any = File::open("/dev/null")?;
+    // Dropped at once: only the table's growth is wanted.
+    rustix::io::fcntl_dupfd_cloexec(&any, highest)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `FDSize` line of /proc/self/status: the slots in this process's table.
+    fn table_size() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("FDSize:")).unwrap();
+        line["FDSize:".len()..].trim().parse().unwrap()
+    }
+
+    #[test]
+    fn the_table_holds_the_working_size_and_the_limit_is_the_hard_one() {
+        let done = prepare().unwrap();
+        let now = getrlimit(Resource::Nofile);
+        assert_eq!(now.current, done.limit);
+        if let Some(hard) = now.maximum {
+            assert_eq!(now.current, Some(hard), "soft limit raised to the hard one");
+        }
+        assert_eq!(
+            done.table,
+            now.current.unwrap_or(u64::MAX).min(TABLE_AT_START)
+        );
+        assert!(
+            table_size() >= done.table,
+            "FDSize {} < {}",
+            table_size(),
+            done.table
+        );
+        // The duplicate that grew it is closed again: the next descriptor is a low one.
+        let next = File::open("/dev/null").unwrap();
+        assert!(std::os::fd::AsRawFd::as_raw_fd(&next) < 1024);
+    }
+}
