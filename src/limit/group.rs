@@ -9,6 +9,11 @@
 //!
 //! The rate state (one TAT per rate) is only changed at a departure, by the turn holder,
 //! so a request that is cancelled while waiting never uses up a slot.
+//!
+//! When the head leaves and the requests right behind it are due too (a backlog at a
+//! high rate, where tokio's 1 ms timer wakes the head once for several slots), the head
+//! releases them in the same step: it counts their departures and sends each its
+//! concurrency permit, instead of passing the turn down the line one wake-up at a time.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -78,7 +83,7 @@ struct State {
     /// Adaptive mode: when the factor was last halved.
     halved_at: Option<Instant>,
     /// Requests waiting for the turn, in order; a smaller key goes first.
-    waiting: BTreeMap<Key, oneshot::Sender<()>>,
+    waiting: BTreeMap<Key, Waiter>,
     /// Sequence number of the next request to join the queue.
     next_seq: u64,
     /// Whether some request holds the turn.
@@ -89,6 +94,23 @@ struct State {
     queued_cost: u64,
     /// Nothing leaves before this (upstream push-back).
     paused_until: Option<Instant>,
+}
+
+/// A request waiting in the queue, as the turn holder sees it.
+struct Waiter {
+    /// Where its turn, or its release, is sent.
+    tx: oneshot::Sender<Turn>,
+    /// Its cost, for releasing it without asking it.
+    cost: u32,
+}
+
+/// What a waiting request receives when the requests ahead of it have gone.
+enum Turn {
+    /// The group's turn: it is the head now, and waits for its own slot.
+    Take,
+    /// Its slot had come when the head before it left: that head counted its departure
+    /// and sends the concurrency permit it holds while in flight.
+    Leave(Held),
 }
 
 /// A place in the queue: `(rank, arrival order)`. Retried requests have rank −1 and
@@ -199,7 +221,9 @@ impl Group {
         let mut place = self.enqueue(cost, front)?;
         let waited = async {
             loop {
-                place.wait_for_turn().await;
+                if let Some(held) = place.wait_for_turn().await {
+                    return Ok(Permit::new(held, self.clone()));
+                }
                 match self.wait_to_leave(&place).await? {
                     Some(permit) => return Ok(permit),
                     None => place.step_aside(),
@@ -399,7 +423,7 @@ impl Group {
             state.turn_taken = true;
             Stage::HasTurn
         } else {
-            Stage::Waiting(Group::wait_in_line(&mut state, key))
+            Stage::Waiting(Group::wait_in_line(&mut state, key, cost))
         };
         Ok(Place {
             group: self.clone(),
@@ -410,9 +434,9 @@ impl Group {
         })
     }
 
-    fn wait_in_line(state: &mut State, key: Key) -> oneshot::Receiver<()> {
+    fn wait_in_line(state: &mut State, key: Key, cost: u32) -> oneshot::Receiver<Turn> {
         let (tx, rx) = oneshot::channel();
-        state.waiting.insert(key, tx);
+        state.waiting.insert(key, Waiter { tx, cost });
         rx
     }
 
@@ -491,8 +515,44 @@ impl Group {
                 let slot = gcra::earliest_all(&rates, &state.tats, since_ready)
                     .clamp(since_now.saturating_sub(SLOT_CREDIT), since_now);
                 gcra::advance_all(&rates, &mut state.tats, slot, cost);
+                self.release_due(&mut state, &rates, slot, now);
             }
             return Ok(Some(Permit::new(held, self.clone())));
+        }
+    }
+
+    /// Releases the waiters at the front of the queue whose slots have come by `now`,
+    /// while a concurrency permit is free: each departure counted at its slot (never
+    /// before `after`, the slot of the head that releases them, which is at most
+    /// [`SLOT_CREDIT`] back), in queue order, and its permit sent to it. Called by the
+    /// departing head with the state locked; the turn then goes to the first request
+    /// still waiting. At 10 000/s tokio's 1 ms timer wakes the head once
+    /// per ~10 slots, and passing the turn down the line woke ~10 tasks one after the
+    /// other, often across the serving threads (BENCHMARKS.md, "Performance against
+    /// peers"); here they are all woken in one step. Local rates only: a shared booking
+    /// is a round trip per request.
+    fn release_due(&self, state: &mut State, rates: &[Gcra], after: Duration, now: Instant) {
+        if state.paused_until.is_some_and(|p| p > now) {
+            return;
+        }
+        let since_now = now - self.epoch;
+        let mut after = after;
+        while let Some(entry) = state.waiting.first_entry() {
+            let cost = entry.get().cost;
+            let slot = gcra::earliest_all(rates, &state.tats, after);
+            if slot > since_now {
+                return;
+            }
+            let Ok(held) = self.permits.clone().try_acquire_owned() else {
+                return;
+            };
+            let waiter = entry.remove();
+            // A waiter that left (its receiver dropped) gets nothing and counts nothing:
+            // its permit comes straight back.
+            if waiter.tx.send(Turn::Leave(Held::Local(held))).is_ok() {
+                gcra::advance_all(rates, &mut state.tats, slot, cost);
+                after = slot;
+            }
         }
     }
 
@@ -585,7 +645,7 @@ impl Group {
     /// Passes the turn to the first waiter still there, or frees it.
     fn pass_turn(state: &mut State) {
         while let Some((_, next)) = state.waiting.pop_first() {
-            if next.send(()).is_ok() {
+            if next.tx.send(Turn::Take).is_ok() {
                 return;
             }
         }
@@ -628,21 +688,34 @@ struct Place {
 }
 
 enum Stage {
-    /// In the queue under `key`, until the turn arrives on the channel.
-    Waiting(oneshot::Receiver<()>),
+    /// In the queue under `key`, until the turn (or its release) arrives on the channel.
+    Waiting(oneshot::Receiver<Turn>),
     /// Holding the group's turn.
     HasTurn,
+    /// Released by the head before it: its departure is counted, the turn is not its.
+    Released,
     /// Departed: no longer counted in the queue, turn passed on.
     Gone,
 }
 
 impl Place {
-    async fn wait_for_turn(&mut self) {
-        if let Stage::Waiting(rx) = &mut self.stage {
-            // The sender is only dropped after `send`, or by `Place::drop` of this very
-            // waiter, so an error cannot happen while we are still polling.
-            let _ = rx.await;
-            self.stage = Stage::HasTurn;
+    /// Waits until the requests ahead have gone. Returns the permit when the head before
+    /// it released it (it may leave now), `None` when it got the turn.
+    async fn wait_for_turn(&mut self) -> Option<Held> {
+        let Stage::Waiting(rx) = &mut self.stage else {
+            return None;
+        };
+        // The sender is only dropped after `send`, or by `Place::drop` of this very
+        // waiter, so an error cannot happen while we are still polling.
+        match rx.await {
+            Ok(Turn::Leave(held)) => {
+                self.stage = Stage::Released;
+                Some(held)
+            }
+            Ok(Turn::Take) | Err(_) => {
+                self.stage = Stage::HasTurn;
+                None
+            }
         }
     }
 
@@ -652,7 +725,7 @@ impl Place {
         let mut state = self.group.lock();
         self.key = (RETRY, state.next_seq);
         state.next_seq += 1;
-        let rx = Group::wait_in_line(&mut state, self.key);
+        let rx = Group::wait_in_line(&mut state, self.key, self.cost);
         Group::pass_turn(&mut state);
         self.stage = Stage::Waiting(rx);
     }
@@ -669,14 +742,20 @@ impl Place {
         let mut state = group.lock();
         match std::mem::replace(&mut self.stage, Stage::Gone) {
             Stage::Gone => return,
-            Stage::Waiting(_) => {
+            Stage::Waiting(mut rx) => {
                 // Still in the map: it never got the turn. Gone from the map: the turn
-                // was sent to it just now, so it must be passed on.
+                // was sent to it just now, so it must be passed on; or it was released,
+                // and the slot counted for it is lost with its permit, as for any
+                // request that leaves after admission.
                 if state.waiting.remove(&self.key).is_none() {
-                    Group::pass_turn(&mut state);
+                    match rx.try_recv() {
+                        Ok(Turn::Leave(_)) => {}
+                        Ok(Turn::Take) | Err(_) => Group::pass_turn(&mut state),
+                    }
                 }
             }
             Stage::HasTurn => Group::pass_turn(&mut state),
+            Stage::Released => {}
         }
         state.queued -= 1;
         state.queued_cost -= u64::from(self.cost);
@@ -826,6 +905,63 @@ mod tests {
         assert_eq!(times, [0, 0, 1000, 1000, 2000]);
         let order: Vec<usize> = out.iter().map(|(i, _)| *i).collect();
         assert_eq!(order, [0, 1, 2, 3, 4]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_woken_late_releases_every_due_request_behind_it_in_order() {
+        // 1 ms apart, and a concurrency of 4 to show that a release needs a permit.
+        let g = group("1000/s", |s| s.concurrency = 4);
+        let start = Instant::now();
+        let far = start + Duration::from_secs(60);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for i in 0..8 {
+            let (g, tx) = (g.clone(), tx.clone());
+            tasks.push(tokio::spawn(async move {
+                let permit = g.admit(1, start, far, false).await.unwrap();
+                tx.send((i, start.elapsed().as_millis())).unwrap();
+                // Held until the test lets go (the channel closes).
+                std::future::pending::<()>().await;
+                drop(permit);
+            }));
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        // 0 left at once; 1 holds the turn, asleep until its slot at 1 ms. 3 goes away.
+        tasks[3].abort();
+        tokio::task::yield_now().await;
+        assert_eq!(rx.recv().await, Some((0, 0)));
+
+        // The head wakes 5 ms late (the process was busy): the slots at 1 … 5 ms have
+        // all come. It leaves, and the two behind it that were due are released with it
+        // (3's slot is not spent on it): then the 4 permits are all taken.
+        tokio::time::advance(Duration::from_millis(5)).await;
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        let mut left = Vec::new();
+        while let Ok(x) = rx.try_recv() {
+            left.push(x);
+        }
+        assert_eq!(left, [(1, 5), (2, 5), (4, 5)]);
+        assert_eq!(g.metrics.in_flight.get(), 4);
+        assert_eq!(g.status().queued, 3, "5, 6 and 7 still wait");
+        assert_eq!(g.metrics.cancelled.get(), 1);
+
+        // A permit comes back: the head (5) takes it and leaves at once, its slot long
+        // past; no permit is left to release 6 with, so 6 gets the turn and waits.
+        tasks[0].abort();
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        while let Ok(x) = rx.try_recv() {
+            left.push(x);
+        }
+        assert_eq!(left[3..], [(5, 5)]);
+        assert_eq!(g.status().queued, 2);
+        for t in &tasks {
+            t.abort();
+        }
     }
 
     #[tokio::test(start_paused = true)]
