@@ -283,7 +283,7 @@ async fn deny_mode_refuses_while_redis_is_down() {
         "{ps}"
     );
     assert!(resp.text().await.unwrap().contains("Redis"));
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/ok"]);
 }
 

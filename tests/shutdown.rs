@@ -402,7 +402,7 @@ async fn a_request_still_waiting_in_its_group_is_served_during_the_grace() {
         "{:?}",
         response.headers
     );
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/first", "/waited"]);
     proxy.shutdown().await;
 }
@@ -455,7 +455,7 @@ async fn binary_raises_its_descriptor_limit_and_holds_more_connections_than_the_
     for answer in answered {
         assert_eq!(answer.await.unwrap(), 200);
     }
-    let mut paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let mut paths = upstream.paths();
     paths.sort_by_key(|p| p[1..].parse::<usize>().unwrap());
     let expected: Vec<_> = (0..CLIENTS).map(|i| format!("/{i}")).collect();
     assert_eq!(paths, expected);

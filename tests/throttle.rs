@@ -221,7 +221,7 @@ async fn max_wait_answers_503_and_the_request_is_never_sent() {
         body.contains("max_wait") && body.contains("patient"),
         "{body}"
     );
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/first"]);
 }
 
@@ -287,7 +287,7 @@ async fn a_request_whose_client_left_is_never_sent() {
             .status(),
         200
     );
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/first", "/stayed"]);
 }
 
@@ -493,7 +493,7 @@ async fn new_and_kept_alive_connections_wait_in_one_queue_in_arrival_order() {
         let response = read_response(conn).await;
         assert_eq!((response.status, response.text()), (200, "ok".into()));
     }
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(
         paths,
         ["/warm-0", "/warm-1", "/warm-2", "/hold", "/0", "/1", "/2", "/3", "/4", "/5"],
@@ -523,7 +523,7 @@ async fn a_waiting_request_on_a_kept_alive_connection_whose_client_left_is_never
     let client = reqwest_via(&proxy, None);
     let after = client.get(upstream.url("/after")).send().await.unwrap();
     assert_eq!(after.status(), 200);
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/first", "/hold", "/after"]);
     let metrics = admin_get(&proxy, "/metrics").await;
     assert!(
@@ -643,6 +643,6 @@ async fn a_head_hyper_refuses_does_not_take_a_slot() {
             && metrics.contains(r#"tollgate_queue_depth{group="slow"} 0"#),
         "{metrics}"
     );
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/first"]);
 }

@@ -259,7 +259,7 @@ async fn http2_requests_slower_than_client_header_timeout_are_answered() {
         assert_eq!(resp.version(), reqwest::Version::HTTP_2);
         assert_eq!(resp.text().await.unwrap(), "late");
     }
-    let paths: Vec<_> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    let paths = upstream.paths();
     assert_eq!(paths, ["/one", "/two"]);
     proxy.shutdown().await;
 }

@@ -203,21 +203,32 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_busy_group_holds_the_request_here_and_hyper_finds_every_byte() {
+    /// The proxy, its group, and the group's only permit, taken: a request waits.
+    async fn busy() -> (Proxy, Arc<Group>, crate::limit::Permit) {
         let (proxy, group) = proxy();
         let now = Instant::now();
         let permit = group.admit(1, now, now + BOUND, false).await.unwrap();
+        (proxy, group, permit)
+    }
+
+    /// Polls `wait` until it is queued in `group`; it must not end before.
+    async fn until_queued_in<F: std::future::Future>(wait: std::pin::Pin<&mut F>, group: &Group) {
+        tokio::select! {
+            biased;
+            _ = wait => panic!("it left while the group's only permit was taken"),
+            () = until_queued(group, 1) => {}
+        }
+    }
+
+    #[tokio::test]
+    async fn a_busy_group_holds_the_request_here_and_hyper_finds_every_byte() {
+        let (proxy, group, permit) = busy().await;
         let (_client, server) = connection(REQUEST).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let wait = wait_in_group(server, &proxy, local, now + BOUND, &cut);
+        let wait = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut);
         tokio::pin!(wait);
-        tokio::select! {
-            biased;
-            _ = &mut wait => panic!("it left while the group's only permit was taken"),
-            () = until_queued(&group, 1) => {}
-        }
+        until_queued_in(wait.as_mut(), &group).await;
 
         drop(permit);
         let mut ready = wait.await.expect("admitted");
@@ -238,13 +249,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_in_pieces_is_held_once_it_is_whole() {
-        let (proxy, group) = proxy();
-        let now = Instant::now();
-        let permit = group.admit(1, now, now + BOUND, false).await.unwrap();
+        let (proxy, group, permit) = busy().await;
         let (mut client, server) = connection(&REQUEST[..20]).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let wait = wait_in_group(server, &proxy, local, now + BOUND, &cut);
+        let wait = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut);
         tokio::pin!(wait);
         tokio::select! {
             biased;
@@ -264,19 +273,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_that_leaves_ends_the_wait_and_takes_nothing() {
-        let (proxy, group) = proxy();
-        let now = Instant::now();
-        let _permit = group.admit(1, now, now + BOUND, false).await.unwrap();
+        let (proxy, group, _permit) = busy().await;
         let (client, server) = connection(REQUEST).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let wait = wait_in_group(server, &proxy, local, now + BOUND, &cut);
+        let wait = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut);
         tokio::pin!(wait);
-        tokio::select! {
-            biased;
-            _ = &mut wait => panic!("it left while the group's only permit was taken"),
-            () = until_queued(&group, 1) => {}
-        }
+        until_queued_in(wait.as_mut(), &group).await;
         drop(client);
         let ended = tokio::time::timeout(BOUND, wait).await.expect("noticed");
         assert!(matches!(ended, Err(Ended::ClientLeft)), "{:?}", ended.err());

@@ -252,6 +252,11 @@ impl Upstream {
         self.state.requests.lock().unwrap().clone()
     }
 
+    /// The paths of every request received so far, in arrival order.
+    pub fn paths(&self) -> Vec<String> {
+        self.requests().into_iter().map(|s| s.path).collect()
+    }
+
     /// Digests of the bodies a bulk upstream received, in arrival order.
     pub fn uploads(&self) -> Vec<Digest> {
         self.state.uploads.lock().unwrap().clone()
