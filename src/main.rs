@@ -55,16 +55,14 @@ fn main() -> ExitCode {
     let descriptors = tollgate::descriptors::prepare();
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    match descriptors {
-        Ok(d) => tracing::debug!(
-            limit = ?d.limit,
-            limit_before = ?d.limit_before,
-            table = d.table,
-            "file descriptors"
-        ),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot raise the file descriptor limit or grow the table")
-        }
+    tracing::debug!(
+        limit = ?descriptors.limit,
+        limit_before = ?descriptors.limit_before,
+        table = descriptors.table,
+        "file descriptors"
+    );
+    for e in &descriptors.errors {
+        tracing::warn!(error = %e, "cannot raise the open-file limit or grow the descriptor table");
     }
     let path = match &cli.command {
         Some(Command::CheckConfig { file }) => file,
@@ -89,6 +87,7 @@ fn main() -> ExitCode {
     if let Some(listen) = cli.listen {
         config.proxy.listen = listen;
     }
+    warn_if_queues_outgrow(&config, descriptors.limit);
     let threads = cli
         .worker_threads
         .filter(|n| *n > 0)
@@ -132,6 +131,26 @@ async fn run(config: Config, threads: usize) -> ExitCode {
         Err(e) => {
             eprintln!("tollgate: {e}");
             ExitCode::from(EXIT_BAD_CONFIG)
+        }
+    }
+}
+
+/// Warns when a group's `queue` could hold more requests than the process may open
+/// descriptors (each waiting request holds its client's socket): connections beyond the
+/// limit would be refused at accept, long before the queue is full.
+fn warn_if_queues_outgrow(config: &Config, limit: Option<u64>) {
+    let Some(limit) = limit else { return };
+    let groups = std::iter::once(("[defaults]", &config.defaults))
+        .chain(config.limits.iter().map(|l| (l.name.as_str(), &l.settings)));
+    if let Some((group, settings)) = groups.max_by_key(|(_, s)| s.queue) {
+        if settings.queue as u64 >= limit {
+            tracing::warn!(
+                open_file_limit = limit,
+                queue = settings.queue,
+                group,
+                "the open-file limit is below this group's queue: raise the hard limit \
+                 (ulimit -Hn, LimitNOFILE=, docker run --ulimit nofile=)"
+            );
         }
     }
 }

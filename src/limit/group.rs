@@ -14,6 +14,9 @@
 //! high rate, where tokio's 1 ms timer wakes the head once for several slots), the head
 //! releases them in the same step: it counts their departures and sends each its
 //! concurrency permit, instead of passing the turn down the line one wake-up at a time.
+//! A released request has left the queue: if its client goes before its task runs, its
+//! permit comes back but its slot is spent, as for any request that goes after
+//! admission.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -102,6 +105,9 @@ struct Waiter {
     tx: oneshot::Sender<Turn>,
     /// Its cost, for releasing it without asking it.
     cost: u32,
+    /// When it joined the queue, from the group's epoch: it is not counted as leaving
+    /// before that.
+    joined: Duration,
 }
 
 /// What a waiting request receives when the requests ahead of it have gone.
@@ -405,6 +411,7 @@ impl Group {
 
     /// Joins the queue (or takes the turn at once when nobody is ahead).
     fn enqueue(self: &Arc<Self>, cost: u32, front: bool) -> Result<Place, Refusal> {
+        let now = Instant::now();
         let mut state = self.lock();
         // A retried request was admitted before; it does not count against the bound.
         if !front && state.queued >= self.settings.queue {
@@ -423,20 +430,25 @@ impl Group {
             state.turn_taken = true;
             Stage::HasTurn
         } else {
-            Stage::Waiting(Group::wait_in_line(&mut state, key, cost))
+            Stage::Waiting(Group::wait_in_line(&mut state, key, cost, now - self.epoch))
         };
         Ok(Place {
             group: self.clone(),
             cost,
-            joined: Instant::now(),
+            joined: now,
             key,
             stage,
         })
     }
 
-    fn wait_in_line(state: &mut State, key: Key, cost: u32) -> oneshot::Receiver<Turn> {
+    fn wait_in_line(
+        state: &mut State,
+        key: Key,
+        cost: u32,
+        joined: Duration,
+    ) -> oneshot::Receiver<Turn> {
         let (tx, rx) = oneshot::channel();
-        state.waiting.insert(key, Waiter { tx, cost });
+        state.waiting.insert(key, Waiter { tx, cost, joined });
         rx
     }
 
@@ -524,22 +536,25 @@ impl Group {
     /// Releases the waiters at the front of the queue whose slots have come by `now`,
     /// while a concurrency permit is free: each departure counted at its slot (never
     /// before `after`, the slot of the head that releases them, which is at most
-    /// [`SLOT_CREDIT`] back), in queue order, and its permit sent to it. Called by the
+    /// [`SLOT_CREDIT`] back, nor before the waiter joined), in queue order, and its
+    /// permit sent to it. Called by the
     /// departing head with the state locked; the turn then goes to the first request
     /// still waiting. At 10 000/s tokio's 1 ms timer wakes the head once
     /// per ~10 slots, and passing the turn down the line woke ~10 tasks one after the
     /// other, often across the serving threads (BENCHMARKS.md, "Performance against
-    /// peers"); here they are all woken in one step. Local rates only: a shared booking
-    /// is a round trip per request.
+    /// peers"); here they are all woken in one step. Memory store only: with the shared
+    /// store a booking is a round trip per request, and while Redis is down a request
+    /// may need several local permits (its replica's share of `concurrency`), which only
+    /// [`Group::acquire`] knows how to take.
     fn release_due(&self, state: &mut State, rates: &[Gcra], after: Duration, now: Instant) {
-        if state.paused_until.is_some_and(|p| p > now) {
+        if self.shared.is_some() || state.paused_until.is_some_and(|p| p > now) {
             return;
         }
         let since_now = now - self.epoch;
         let mut after = after;
         while let Some(entry) = state.waiting.first_entry() {
-            let cost = entry.get().cost;
-            let slot = gcra::earliest_all(rates, &state.tats, after);
+            let (cost, joined) = (entry.get().cost, entry.get().joined);
+            let slot = gcra::earliest_all(rates, &state.tats, after.max(joined));
             if slot > since_now {
                 return;
             }
@@ -547,8 +562,9 @@ impl Group {
                 return;
             };
             let waiter = entry.remove();
-            // A waiter that left (its receiver dropped) gets nothing and counts nothing:
-            // its permit comes straight back.
+            // Defensive: a waiter that goes removes itself from the map under this lock
+            // before dropping its receiver, so the send fails only if that ever changes;
+            // it would then count nothing, and the permit comes straight back.
             if waiter.tx.send(Turn::Leave(Held::Local(held))).is_ok() {
                 gcra::advance_all(rates, &mut state.tats, slot, cost);
                 after = slot;
@@ -725,7 +741,8 @@ impl Place {
         let mut state = self.group.lock();
         self.key = (RETRY, state.next_seq);
         state.next_seq += 1;
-        let rx = Group::wait_in_line(&mut state, self.key, self.cost);
+        let joined = self.joined - self.group.epoch;
+        let rx = Group::wait_in_line(&mut state, self.key, self.cost, joined);
         Group::pass_turn(&mut state);
         self.stage = Stage::Waiting(rx);
     }
@@ -933,8 +950,8 @@ mod tests {
         assert_eq!(rx.recv().await, Some((0, 0)));
 
         // The head wakes 5 ms late (the process was busy): the slots at 1 … 5 ms have
-        // all come. It leaves, and the two behind it that were due are released with it
-        // (3's slot is not spent on it): then the 4 permits are all taken.
+        // all come. It leaves, and the two behind it leave at 5 ms too (3 left the queue
+        // when it was dropped, and takes no slot); then the 4 permits are all taken.
         tokio::time::advance(Duration::from_millis(5)).await;
         for _ in 0..8 {
             tokio::task::yield_now().await;
@@ -948,8 +965,9 @@ mod tests {
         assert_eq!(g.status().queued, 3, "5, 6 and 7 still wait");
         assert_eq!(g.metrics.cancelled.get(), 1);
 
-        // A permit comes back: the head (5) takes it and leaves at once, its slot long
-        // past; no permit is left to release 6 with, so 6 gets the turn and waits.
+        // A permit comes back: the head (5) takes it and leaves at once, counted from
+        // then (5 ms: time spent waiting for a permit is not the rate's); 6's slot, 6 ms,
+        // has not come, so it gets the turn and waits.
         tasks[0].abort();
         for _ in 0..4 {
             tokio::task::yield_now().await;
@@ -962,6 +980,37 @@ mod tests {
         for t in &tasks {
             t.abort();
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_released_request_holds_its_permit_at_once_and_gives_it_back_if_dropped() {
+        use futures_util::FutureExt;
+        let g = group("1000/s", |s| s.concurrency = 3);
+        let start = Instant::now();
+        let far = start + Duration::from_secs(60);
+        let first = g.admit(1, start, far, false).await.unwrap();
+        let mut waiting: Vec<_> = (0..4)
+            .map(|_| Box::pin(g.admit(1, start, far, false)))
+            .collect();
+        for w in &mut waiting {
+            assert!(w.now_or_never().is_none());
+        }
+        // The head wakes 5 ms late and leaves; the one behind it is released in the same
+        // step: it holds the last permit before its task has even run.
+        tokio::time::advance(Duration::from_millis(5)).await;
+        let head = (&mut waiting[0]).now_or_never().unwrap().unwrap();
+        assert_eq!(g.permits.available_permits(), 0);
+        // Its client goes before it runs: the permit comes back, the slot is spent.
+        drop(waiting.remove(1));
+        assert_eq!(g.permits.available_permits(), 1);
+        assert_eq!(g.metrics.cancelled.get(), 1);
+        assert_eq!(g.metrics.in_flight.get(), 2);
+        // The turn was not lost with it: the next leaves, and the last waits.
+        let next = (&mut waiting[1]).now_or_never().expect("the turn").unwrap();
+        assert_eq!(g.status().queued, 1);
+        assert!((&mut waiting[2]).now_or_never().is_none());
+        drop((first, head, next));
+        (&mut waiting[2]).now_or_never().unwrap().unwrap();
     }
 
     #[tokio::test(start_paused = true)]
