@@ -224,6 +224,22 @@ impl Group {
             self.metrics.admitted.inc();
             return Ok(permit);
         }
+        // Boxed: the wait (a place in line, a timer, the shared store's round trip) is
+        // most of this future, and inline it would size the future of every caller, the
+        // throttle's included, which is boxed and moved for every request, also for the
+        // many that leave at once.
+        Box::pin(self.wait_in_line_to_leave(cost, arrived, deadline, front)).await
+    }
+
+    /// [`Group::admit`] for a request that cannot leave at once: joins the queue and
+    /// waits there.
+    async fn wait_in_line_to_leave(
+        self: &Arc<Self>,
+        cost: u32,
+        arrived: Instant,
+        deadline: Instant,
+        front: bool,
+    ) -> Result<Permit, Refusal> {
         let mut place = self.enqueue(cost, front)?;
         let waited = async {
             loop {
