@@ -213,7 +213,7 @@ impl Proxy {
 }
 
 /// The leaf of the stack: CONNECT opens a tunnel, everything else goes upstream.
-/// Shared behind an `Arc`: each request's future holds its own handle, and cloning the
+/// Shared behind an `Arc`: a tunnel's future holds its own handle, and cloning the
 /// pooled client and the rest field by field showed in the profile.
 #[derive(Clone)]
 struct Dispatch(Arc<DispatchInner>);
@@ -235,18 +235,17 @@ impl Service<Request<Body>> for Dispatch {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
+        if req.method() != Method::CONNECT {
+            return Box::pin(self.0.upstream.send(req));
+        }
         let this = self.0.clone();
         Box::pin(async move {
-            if req.method() == Method::CONNECT {
-                let target = routed(&req).target.clone();
-                let permit = req
-                    .extensions()
-                    .get::<TunnelPermit>()
-                    .and_then(|p| p.take());
-                tunnel::open(&this.dialer, &this.tunnels, &this.cut, &target, req, permit).await
-            } else {
-                this.upstream.send(req).await
-            }
+            let target = routed(&req).target.clone();
+            let permit = req
+                .extensions()
+                .get::<TunnelPermit>()
+                .and_then(|p| p.take());
+            tunnel::open(&this.dialer, &this.tunnels, &this.cut, &target, req, permit).await
         })
     }
 }
