@@ -42,11 +42,24 @@ use crate::body::{self, Body, BoxError};
 use crate::error::ProxyError;
 
 /// Which upstream a connection goes to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct Key {
     https: bool,
     authority: Authority,
 }
+
+/// As `Authority`'s `==` (case-insensitive), but byte-equal spellings, nearly every
+/// lookup's, are settled by one `memcmp`: the case-insensitive loop goes a byte at a
+/// time (~0.3k instructions per lookup, two lookups per request).
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.https == other.https
+            && (self.authority.as_str() == other.authority.as_str()
+                || self.authority == other.authority)
+    }
+}
+
+impl Eq for Key {}
 
 /// Hashed by hand, consistently with `Authority`'s case-insensitive `==`: `Authority`'s
 /// own `Hash` feeds the hasher one lower-cased byte at a time, a SipHash round per byte,
