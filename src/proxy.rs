@@ -20,12 +20,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use futures_util::future::Either;
+use futures_util::FutureExt;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tower::{Service, ServiceBuilder};
+use tower::{Service, ServiceBuilder, ServiceExt};
 
 use crate::body::{self, Body};
 use crate::classify::Classifier;
@@ -129,17 +131,22 @@ impl Proxy {
     /// Serves one request from a client connected to `local`. Never fails. `early` is
     /// the outcome of its wait in its group when it waited before hyper read it (see
     /// [`Proxy::group_to_wait_in`]).
-    pub async fn handle(
+    ///
+    /// Not an `async fn`: hyper moves this future into its connection's slot for every
+    /// request, and an `async fn` would hold the request and `early` twice (its
+    /// arguments, and the locals they move into). The work before the stack is done
+    /// here; the future is the stack's.
+    pub fn handle(
         &self,
         req: Request<Incoming>,
         local: SocketAddr,
         early: Option<Admission>,
-    ) -> Response<Body> {
+    ) -> impl Future<Output = Response<Body>> + Send + 'static {
         let arrived = early.as_ref().map_or_else(Instant::now, |a| a.arrived);
         let mut req = req.map(body::boxed);
         let target = match self.classifier.classify(&mut req, local) {
             Ok(target) => target,
-            Err(e) => return e.into_response(),
+            Err(e) => return Either::Left(std::future::ready(e.into_response())),
         };
         let group = self.limits.group_for(&target.host, target.limit.as_deref());
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
@@ -153,17 +160,13 @@ impl Proxy {
             req.extensions_mut().insert(Handoff::new(admission));
         }
 
-        // Calling through `Service::call` on a clone (rather than `oneshot` in this async
-        // fn) keeps rustc from asking for a higher-ranked `Service` impl it cannot prove.
-        let mut stack = self.stack.clone();
-        let outcome = match std::future::poll_fn(|cx| stack.poll_ready(cx)).await {
-            Ok(()) => stack.call(req).await,
-            Err(e) => Err(e),
-        };
-        outcome.unwrap_or_else(|e| {
-            tracing::debug!(error = %e, "request failed");
-            e.into_response()
-        })
+        let answered = self.stack.clone().oneshot(req).map(|outcome| {
+            outcome.unwrap_or_else(|e| {
+                tracing::debug!(error = %e, "request failed");
+                e.into_response()
+            })
+        });
+        Either::Right(answered)
     }
 
     /// The group a request with this head would have to wait in, and its cost; `None`
@@ -213,7 +216,7 @@ impl Proxy {
 }
 
 /// The leaf of the stack: CONNECT opens a tunnel, everything else goes upstream.
-/// Shared behind an `Arc`: each request's future holds its own handle, and cloning the
+/// Shared behind an `Arc`: a tunnel's future holds its own handle, and cloning the
 /// pooled client and the rest field by field showed in the profile.
 #[derive(Clone)]
 struct Dispatch(Arc<DispatchInner>);
@@ -235,18 +238,17 @@ impl Service<Request<Body>> for Dispatch {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
+        if req.method() != Method::CONNECT {
+            return Box::pin(self.0.upstream.send(req));
+        }
         let this = self.0.clone();
         Box::pin(async move {
-            if req.method() == Method::CONNECT {
-                let target = routed(&req).target.clone();
-                let permit = req
-                    .extensions()
-                    .get::<TunnelPermit>()
-                    .and_then(|p| p.take());
-                tunnel::open(&this.dialer, &this.tunnels, &this.cut, &target, req, permit).await
-            } else {
-                this.upstream.send(req).await
-            }
+            let target = routed(&req).target.clone();
+            let permit = req
+                .extensions()
+                .get::<TunnelPermit>()
+                .and_then(|p| p.take());
+            tunnel::open(&this.dialer, &this.tunnels, &this.cut, &target, req, permit).await
         })
     }
 }

@@ -133,11 +133,20 @@ where
             let (group, arrived) = group_and_arrival(&req);
             let admitted = admitted_early(&req);
             let (parts, body) = req.into_parts();
-            let mut request = Replayable::read(parts, body, group.settings.max_replay_body).await?;
+            // Read before queueing: this also lets hyper notice a client that leaves while
+            // its request waits (it only looks once the request body has been read), so
+            // the request is never sent. Read here rather than by an `async fn` taking the
+            // head, which would hold it twice (see `Upstream::send` for why size counts).
+            let body = body::read_up_to(body, group.settings.max_replay_body)
+                .await
+                .map_err(|e| {
+                    ProxyError::BadRequest(format!("reading the request body failed: {e}"))
+                })?;
+            let mut request = Replayable::new(parts, body);
             if !admitted && group.would_wait() {
                 request.detach_from_connection();
             }
-            send(&mut inner, request, &group, arrived).await
+            send(&mut inner, &mut request, &group, arrived).await
         })
     }
 }
@@ -151,22 +160,11 @@ enum Replayable {
 }
 
 impl Replayable {
-    /// Reads the body if it fits `limit`. Reading it before queueing also lets hyper
-    /// notice a client that leaves while its request waits (it only looks once the
-    /// request body has been read), so the request is never sent.
-    async fn read(
-        parts: http::request::Parts,
-        body: Body,
-        limit: u64,
-    ) -> Result<Replayable, ProxyError> {
-        match body::read_up_to(body, limit).await {
-            Ok(Buffered::Complete(bytes)) => Ok(Replayable::Buffered(parts, bytes)),
-            Ok(Buffered::Streaming(body)) => {
-                Ok(Replayable::Once(Some(Request::from_parts(parts, body))))
-            }
-            Err(e) => Err(ProxyError::BadRequest(format!(
-                "reading the request body failed: {e}"
-            ))),
+    /// The request with `parts` for its head and `body` as [`body::read_up_to`] left it.
+    fn new(parts: http::request::Parts, body: Buffered) -> Replayable {
+        match body {
+            Buffered::Complete(bytes) => Replayable::Buffered(parts, bytes),
+            Buffered::Streaming(body) => Replayable::Once(Some(Request::from_parts(parts, body))),
         }
     }
 
@@ -213,6 +211,13 @@ impl Replayable {
         *req.uri_mut() = parts.uri.clone();
         *req.version_mut() = parts.version;
         *req.headers_mut() = parts.headers.clone();
+        if attempt == 0 {
+            // The first attempt sends the header map hyper parsed into and leaves the copy
+            // for replays: a clone has no spare room, and `Via`, then the response (hyper
+            // parses it into the map the request went out in), grew it twice per request
+            // (~1.1k instructions of realloc, callgrind).
+            std::mem::swap(req.headers_mut(), &mut parts.headers);
+        }
         *req.extensions_mut() = parts.extensions.clone();
         if attempt > 0 {
             req.extensions_mut().insert(Retrying);
@@ -251,10 +256,11 @@ fn with_own_head(req: Request<Body>) -> Request<Body> {
 }
 
 /// Sends `request` through the throttle, pausing the group and replaying as the
-/// upstream's answers say.
+/// upstream's answers say. (`request` by reference: the caller's future holds it, and
+/// taken by value it would be held twice, see [`crate::upstream::Upstream::send`].)
 async fn send<S>(
     inner: &mut S,
-    mut request: Replayable,
+    request: &mut Replayable,
     group: &Group,
     arrived: Instant,
 ) -> Result<Response<Body>, ProxyError>

@@ -106,6 +106,15 @@ const EPOCH_MILLIS_MIN: u64 = 1_000_000_000_000;
 /// );
 /// ```
 pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> Option<Duration> {
+    // Every response passes here and nearly none has these headers: one pass over the
+    // names it has is cheaper than the three lookups below, each of which hashes a long
+    // name (~0.8k instructions per response in all, callgrind).
+    if !headers.keys().any(|name| {
+        let name = name.as_str();
+        name.starts_with("ratelimit") || name.starts_with("x-ratelimit-")
+    }) {
+        return None;
+    }
     // `Date` is parsed only when a reset is an absolute time: nearly every response
     // passes here without one, and the parse cost ~3 % of a forwarded request's
     // instructions (callgrind) when it was done for all of them.
@@ -518,6 +527,21 @@ mod tests {
     fn no_headers_no_pause() {
         assert_eq!(hint(&[]), None);
         assert_eq!(hint(&[("date", EPOCH_DATE), ("retry-after", "5")]), None);
+        assert_eq!(hint(&[("x-ratelimit-limit", "100")]), None);
+    }
+
+    #[test]
+    fn names_are_found_whatever_their_case_on_the_wire() {
+        let mut map = HeaderMap::new();
+        for (name, value) in [("X-RateLimit-Remaining", "0"), ("X-RateLimit-Reset", "30")] {
+            let name = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            map.append(name, HeaderValue::from_static(value));
+        }
+        assert_eq!(pause_hint(&map, at(EPOCH), MAX), secs(30));
+        let mut map = HeaderMap::new();
+        let name = HeaderName::from_bytes(b"RateLimit").unwrap();
+        map.append(name, HeaderValue::from_static("\"default\";r=0;t=4"));
+        assert_eq!(pause_hint(&map, at(EPOCH), MAX), secs(4));
     }
 
     #[test]

@@ -331,9 +331,9 @@ impl Client {
                         if let Some(first_in) = &first_in {
                             first_in.cancel();
                         }
-                        let proxy = proxy.clone();
                         let early = first.take();
-                        async move { Ok::<_, Infallible>(proxy.handle(req, local, early).await) }
+                        let answered = proxy.handle(req, local, early);
+                        async move { Ok::<_, Infallible>(answered.await) }
                     })
                 };
                 let drain = async {

@@ -18,6 +18,7 @@
 //! one.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,11 +42,24 @@ use crate::body::{self, Body, BoxError};
 use crate::error::ProxyError;
 
 /// Which upstream a connection goes to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct Key {
     https: bool,
     authority: Authority,
 }
+
+/// As `Authority`'s `==` (case-insensitive), but byte-equal spellings, nearly every
+/// lookup's, are settled by one `memcmp`: the case-insensitive loop goes a byte at a
+/// time (~0.3k instructions per lookup, two lookups per request).
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.https == other.https
+            && (self.authority.as_str() == other.authority.as_str()
+                || self.authority == other.authority)
+    }
+}
+
+impl Eq for Key {}
 
 /// Hashed by hand, consistently with `Authority`'s case-insensitive `==`: `Authority`'s
 /// own `Hash` feeds the hasher one lower-cased byte at a time, a SipHash round per byte,
@@ -145,45 +159,54 @@ impl Pool {
 
     /// Sends `req` (absolute URI) and returns the response head, its body streaming.
     /// Errors are the connector's (a [`ProxyError`] inside) or hyper's.
-    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, BoxError> {
-        let uri = req.uri().clone();
-        let key =
-            Key::of(&uri).ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
-        loop {
-            let (conn, reused) = match self.inner.checkout(&key) {
-                Some(conn) => (conn, true),
-                // Boxed: the TLS and HTTP/2 handshakes make this future many KiB, and
-                // inline it would be the size of every request's future, copied into
-                // its box per request (8k instructions of memcpy per request).
-                None => (Box::pin(self.inner.connect(&key)).await?, false),
-            };
-            let mut sent = match conn {
-                Conn::Http1(mut sender) => {
-                    // HTTP/1.1 names the path only; the authority is in `Host`.
-                    *req.uri_mut() = origin_form(&uri);
-                    match sender.try_send_request(req).await {
-                        Ok(response) => {
-                            return Ok(self.inner.returning(response, sender, key));
+    ///
+    /// Not an `async fn`, which would hold the request twice (its argument and the local
+    /// it moves into); see [`super::Upstream::send`] for why the size counts.
+    pub fn send(
+        &self,
+        mut req: Request<Body>,
+    ) -> impl Future<Output = Result<Response<Body>, BoxError>> + Send + 'static {
+        let pool = self.inner.clone();
+        async move {
+            let uri = req.uri().clone();
+            let key =
+                Key::of(&uri).ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
+            loop {
+                let (conn, reused) = match pool.checkout(&key) {
+                    Some(conn) => (conn, true),
+                    // Boxed: the TLS and HTTP/2 handshakes make this future many KiB, and
+                    // inline it would be the size of every request's future, copied into
+                    // its box per request (8k instructions of memcpy per request).
+                    None => (Box::pin(pool.connect(&key)).await?, false),
+                };
+                let mut sent = match conn {
+                    Conn::Http1(mut sender) => {
+                        // HTTP/1.1 names the path only; the authority is in `Host`.
+                        *req.uri_mut() = origin_form(&uri);
+                        match sender.try_send_request(req).await {
+                            Ok(response) => {
+                                return Ok(pool.returning(response, sender, key));
+                            }
+                            Err(e) => e,
                         }
-                        Err(e) => e,
                     }
-                }
-                Conn::Http2(mut sender) => {
-                    *req.uri_mut() = uri.clone();
-                    match sender.try_send_request(req).await {
-                        Ok(response) => return Ok(response.map(body::boxed)),
-                        Err(e) => e,
+                    Conn::Http2(mut sender) => {
+                        *req.uri_mut() = uri.clone();
+                        match sender.try_send_request(req).await {
+                            Ok(response) => return Ok(response.map(body::boxed)),
+                            Err(e) => e,
+                        }
                     }
+                };
+                match sent.take_message() {
+                    // The reused connection had closed before the request went out: the
+                    // upstream never saw it, so it goes again, on a new connection.
+                    Some(back) if reused => {
+                        tracing::debug!(%uri, "pooled connection was closed; sending again");
+                        req = back;
+                    }
+                    _ => return Err(sent.into_error().into()),
                 }
-            };
-            match sent.take_message() {
-                // The reused connection had closed before the request went out: the
-                // upstream never saw it, so it goes again, on a new connection.
-                Some(back) if reused => {
-                    tracing::debug!(%uri, "pooled connection was closed; sending again");
-                    req = back;
-                }
-                _ => return Err(sent.into_error().into()),
             }
         }
     }
