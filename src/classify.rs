@@ -80,7 +80,7 @@ impl Classifier {
                 let host = authority.host();
                 let port = authority.port_u16().unwrap_or(default_port(scheme));
                 if !addressed_to(host, port, local) {
-                    return forward(uri, host, port);
+                    return forward(uri, scheme, authority, host, port);
                 }
             }
         }
@@ -151,16 +151,20 @@ impl Classifier {
     }
 }
 
-/// An absolute-form request to `host:port` (as [`Authority::host`] and the port, the
-/// scheme's default filled in, found them in `uri`).
-fn forward(uri: &Uri, host: &str, port: u16) -> Result<Target, ProxyError> {
-    let scheme = uri.scheme().expect("checked by the caller");
+/// An absolute-form request `uri` to `host:port` (as [`Authority::host`] and the port,
+/// the scheme's default filled in, found them in its `authority`).
+fn forward(
+    uri: &Uri,
+    scheme: &Scheme,
+    authority: &Authority,
+    host: &str,
+    port: u16,
+) -> Result<Target, ProxyError> {
     if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
         return Err(ProxyError::BadRequest(format!(
             "unsupported scheme {scheme}: tollgate forwards http and https URLs"
         )));
     }
-    let authority = uri.authority().expect("checked by the caller");
     if host.is_empty() || authority.as_str().contains('@') {
         return Err(ProxyError::BadRequest(format!(
             "bad authority {:?} in {uri}",

@@ -259,6 +259,10 @@ async fn a_small_post_is_replayed_byte_for_byte() {
     let body: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
     let resp = reqwest_via(&proxy, None)
         .post(upstream.url("/upload"))
+        .header("x-custom", "kept")
+        // A hop-by-hop header named by Connection: tollgate strips it on every attempt.
+        .header("connection", "x-drop")
+        .header("x-drop", "1")
         .body(body.clone())
         .send()
         .await
@@ -269,7 +273,20 @@ async fn a_small_post_is_replayed_byte_for_byte() {
     for s in &seen {
         assert_eq!(s.method, "POST");
         assert_eq!(s.body.as_ref(), body.as_slice(), "the replay differs");
+        assert_eq!(s.header("x-custom"), Some("kept"), "{:?}", s.headers);
+        assert_eq!(s.header("host"), Some(upstream.authority().as_str()));
+        assert_eq!(
+            s.headers.get_all("via").iter().count(),
+            1,
+            "{:?}",
+            s.headers
+        );
+        assert!(s.headers.get("x-drop").is_none(), "{:?}", s.headers);
     }
+    assert_eq!(
+        seen[0].headers, seen[1].headers,
+        "the replay's head differs"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

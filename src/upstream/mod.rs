@@ -300,8 +300,8 @@ impl Upstream {
     /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
     /// upstream's response head with its body still streaming.
     ///
-    /// The head is prepared here and the answer's by a closure, rather than in an `async
-    /// fn`: the future is boxed and moved for every request, and an `async fn` keeps its
+    /// The head is prepared here and the response finished by a closure, rather than in
+    /// an `async fn`: the future is boxed and moved for every request, and an `async fn` keeps its
     /// arguments besides what it moves them into, so the request's 240 bytes were held
     /// twice at each level. Kept under glibc's small-allocation limit (1 KiB), the box is
     /// much cheaper to allocate.

@@ -68,12 +68,12 @@ impl Eq for Key {}
 impl Hash for Key {
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.https.hash(state);
-        let mut lower = [0u8; 64];
-        for chunk in self.authority.as_str().as_bytes().chunks(lower.len()) {
-            let lower = &mut lower[..chunk.len()];
-            lower.copy_from_slice(chunk);
-            lower.make_ascii_lowercase();
-            state.write(lower);
+        let mut buf = [0u8; 64];
+        for chunk in self.authority.as_str().as_bytes().chunks(buf.len()) {
+            let lowered = &mut buf[..chunk.len()];
+            lowered.copy_from_slice(chunk);
+            lowered.make_ascii_lowercase();
+            state.write(lowered);
         }
     }
 }
