@@ -301,10 +301,10 @@ impl Upstream {
     /// upstream's response head with its body still streaming.
     ///
     /// The head is prepared here and the response finished by a closure, rather than in
-    /// an `async fn`: the future is boxed and moved for every request, and an `async fn` keeps its
-    /// arguments besides what it moves them into, so the request's 240 bytes were held
-    /// twice at each level. Kept under glibc's small-allocation limit (1 KiB), the box is
-    /// much cheaper to allocate.
+    /// an `async fn`: the future is boxed and moved for every request, and an `async fn`
+    /// keeps its arguments besides what it moves them into, so the request's 240 bytes
+    /// were held twice at each level. Kept under glibc's small-allocation limit (1 KiB),
+    /// the box is much cheaper to allocate.
     pub fn send(
         &self,
         mut req: Request<Body>,
@@ -350,10 +350,9 @@ fn causes<'a>(
     })
 }
 
-/// Finds the most telling cause in a client error: our own [`ProxyError`] from the
-/// dialer, a rustls error from the handshake, or else the whole error text.
-/// The [`ProxyError`] for a failed exchange with `authority`: the connector's own (DNS,
-/// refused, timeout), TLS, or what hyper said.
+/// The [`ProxyError`] for a failed exchange with `authority`, from the most telling
+/// cause in the client's error: our own from the dialer (DNS, refused, timeout), a rustls
+/// error from the handshake, or else what hyper said.
 fn upstream_error(err: &(dyn std::error::Error + 'static), authority: String) -> ProxyError {
     for cause in causes(err) {
         if let Some(found) = cause.downcast_ref::<ProxyError>() {
