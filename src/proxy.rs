@@ -252,3 +252,52 @@ impl Service<Request<Body>> for Dispatch {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::Layer;
+
+    /// glibc serves allocations up to this size from its per-thread cache; a bigger box
+    /// takes the slower general path.
+    const SMALL_ALLOCATION: usize = 1024;
+
+    /// The layers' futures are boxed and moved for every request: each was brought under
+    /// glibc's small-allocation limit (BENCHMARKS.md, "Latest run: fourth session"), and
+    /// an innocent-looking change (an `async fn` taking the request by value, a new local
+    /// held across an `.await`) can double one without any test of behaviour noticing.
+    #[tokio::test]
+    async fn the_futures_boxed_for_every_request_stay_small() {
+        let config = Config::parse("", "t.toml").unwrap();
+        let dialer = Dialer {
+            connect_timeout: config.proxy.connect_timeout.0,
+        };
+        let dispatch = Dispatch(Arc::new(DispatchInner {
+            upstream: Upstream::new(&config.proxy, dialer.clone()).unwrap(),
+            dialer,
+            tunnels: TaskTracker::new(),
+            cut: CancellationToken::new(),
+        }));
+        let get = || {
+            Request::get("http://127.0.0.1:9/x")
+                .body(body::empty())
+                .unwrap()
+        };
+        // Calling a layer only builds its future; nothing is sent until it is polled.
+        let push_back = PushbackLayer
+            .layer(ThrottleLayer.layer(dispatch.clone()))
+            .call(get());
+        let throttle = ThrottleLayer.layer(dispatch.clone()).call(get());
+        let upstream = dispatch.clone().call(get());
+        for (layer, size) in [
+            ("push-back", std::mem::size_of_val(&*push_back)),
+            ("throttle", std::mem::size_of_val(&*throttle)),
+            ("dispatch and upstream send", std::mem::size_of_val(&*upstream)),
+        ] {
+            assert!(
+                size <= SMALL_ALLOCATION,
+                "the {layer} future is {size} bytes, over {SMALL_ALLOCATION}"
+            );
+        }
+    }
+}
