@@ -553,15 +553,16 @@ impl Group {
     /// while a concurrency permit is free: each departure counted at its slot (never
     /// before `after`, the slot of the head that releases them, which is at most
     /// [`SLOT_CREDIT`] back, nor before the waiter joined), in queue order, and its
-    /// permit sent to it. Called by the
-    /// departing head with the state locked; the turn then goes to the first request
-    /// still waiting. At 10 000/s tokio's 1 ms timer wakes the head once
-    /// per ~10 slots, and passing the turn down the line woke ~10 tasks one after the
-    /// other, often across the serving threads (BENCHMARKS.md, "Performance against
-    /// peers"); here they are all woken in one step. Memory store only: with the shared
-    /// store a booking is a round trip per request, and while Redis is down a request
-    /// may need several local permits (its replica's share of `concurrency`), which only
-    /// [`Group::acquire`] knows how to take.
+    /// permit sent to it. Called by the departing head with the state locked; the turn
+    /// then goes to the first request still waiting.
+    ///
+    /// Why: at 10 000/s tokio's 1 ms timer wakes the head once per ~10 slots, and
+    /// passing the turn down the line woke ~10 tasks one after the other, often across
+    /// the serving threads (BENCHMARKS.md, "Performance against peers"); here they are
+    /// all woken in one step. Memory store only: with the shared store a booking is a
+    /// round trip per request, and while Redis is down a request may need several local
+    /// permits (its replica's share of `concurrency`), which only [`Group::acquire`]
+    /// knows how to take.
     fn release_due(&self, state: &mut State, rates: &[Gcra], after: Duration, now: Instant) {
         if self.shared.is_some() || state.paused_until.is_some_and(|p| p > now) {
             return;
