@@ -292,7 +292,10 @@ mod tests {
         for (layer, size) in [
             ("push-back", std::mem::size_of_val(&*push_back)),
             ("throttle", std::mem::size_of_val(&*throttle)),
-            ("dispatch and upstream send", std::mem::size_of_val(&*upstream)),
+            (
+                "dispatch and upstream send",
+                std::mem::size_of_val(&*upstream),
+            ),
         ] {
             assert!(
                 size <= SMALL_ALLOCATION,
