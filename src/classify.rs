@@ -243,6 +243,28 @@ mod tests {
     }
 
     #[test]
+    fn absolute_form_finds_ipv6_hosts_and_default_ports() {
+        let c = classifier("");
+        let target = |uri: &str| {
+            let t = run(&c, Method::GET, uri).0.unwrap();
+            (t.kind, t.host, t.port)
+        };
+        assert_eq!(
+            target("http://[::1]:9000/x"),
+            (Kind::Forward, "[::1]".to_string(), 9000)
+        );
+        // An empty port is the scheme's default, as for no port at all.
+        assert_eq!(
+            target("http://example.com:/x"),
+            (Kind::Forward, "example.com".to_string(), 80)
+        );
+        assert_eq!(
+            target("https://example.com/x"),
+            (Kind::Forward, "example.com".to_string(), 443)
+        );
+    }
+
+    #[test]
     fn routes_rewrite_longest_prefix_first_and_keep_query() {
         let c = classifier("");
         let (t, uri) = run(&c, Method::GET, "/gh/repos/x?page=2");
