@@ -376,16 +376,7 @@ async fn a_request_still_waiting_in_its_group_is_served_during_the_grace() {
         "#,
     )
     .await;
-    let client = reqwest_via(&proxy, None);
-    assert_eq!(
-        client
-            .get(upstream.url("/first"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    take_the_slot(&proxy, &upstream).await;
 
     // A new connection's request waits for the next slot (before hyper reads it) when
     // shutdown begins; it was asked before the listener closed, so it is served.

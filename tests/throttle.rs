@@ -247,16 +247,7 @@ async fn a_request_whose_client_left_is_never_sent() {
         "#,
     )
     .await;
-    let client = reqwest_via(&proxy, None);
-    assert_eq!(
-        client
-            .get(upstream.url("/first"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    take_the_slot(&proxy, &upstream).await;
 
     // Two clients queue and leave: one without a body, one with a small body.
     let authority = upstream.authority();
@@ -279,7 +270,7 @@ async fn a_request_whose_client_left_is_never_sent() {
     );
     // A request that stays takes the next slot; the abandoned ones never went out.
     assert_eq!(
-        client
+        reqwest_via(&proxy, None)
             .get(upstream.url("/stayed"))
             .send()
             .await
@@ -618,16 +609,7 @@ async fn a_head_hyper_refuses_does_not_take_a_slot() {
         "#,
     )
     .await;
-    let client = reqwest_via(&proxy, None);
-    assert_eq!(
-        client
-            .get(upstream.url("/first"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    take_the_slot(&proxy, &upstream).await;
 
     // The group would make it wait, but its head is bad: answered at once, not queued
     // for a minute and refused after spending the next slot.

@@ -1101,6 +1101,17 @@ pub async fn get_all_at_once(proxy: &Proxy, urls: impl IntoIterator<Item = Strin
     futures_util::future::join_all(calls).await
 }
 
+/// Sends `GET /first` through `proxy` and checks it was answered 200. In a group that
+/// lets one request through per period, this takes the slot: the next request waits.
+pub async fn take_the_slot(proxy: &Proxy, upstream: &Upstream) {
+    let first = reqwest_via(proxy, None)
+        .get(upstream.url("/first"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+}
+
 /// A reqwest client that talks to servers directly, never through a proxy.
 pub fn reqwest_direct() -> reqwest::Client {
     reqwest::Client::builder()
