@@ -10,6 +10,7 @@
 //!   shutdown.
 
 mod early;
+mod header_timer;
 mod sniff;
 
 use std::convert::Infallible;
@@ -27,7 +28,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
+use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 
 use crate::body::{self, Holding};
 use crate::config::{Config, ConfigError, ProxyConfig};
@@ -35,6 +36,7 @@ use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
 
 use early::Ended;
+use header_timer::HeaderTimer;
 use sniff::{sniff_stream, Sniffed};
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
@@ -181,11 +183,14 @@ pub async fn serve(
     settings: &ProxyConfig,
     shutdown: impl Future<Output = ()>,
 ) {
+    // Against slowloris; hyper also applies it while a keep-alive connection is idle.
+    let header_timeout = settings.client_header_timeout.0;
+    let header_timer = HeaderTimer::new(header_timer::tick(header_timeout));
+    let _sweeper = AbortOnDropHandle::new(tokio::spawn(header_timer.clone().sweep()));
     let mut http1 = http1::Builder::new();
     http1
-        .timer(TokioTimer::new())
-        // Against slowloris; hyper also applies it while a keep-alive connection is idle.
-        .header_read_timeout(settings.client_header_timeout.0);
+        .timer(header_timer)
+        .header_read_timeout(header_timeout);
     let mut http2 = http2::Builder::new(TokioExecutor::new());
     http2
         .timer(TokioTimer::new())
@@ -193,7 +198,7 @@ pub async fn serve(
     let protocols = Arc::new(Protocols {
         http1,
         http2,
-        header_timeout: settings.client_header_timeout.0,
+        header_timeout,
     });
 
     // Every client connection is a task here; at shutdown `drain` asks them to finish
