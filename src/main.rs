@@ -50,6 +50,14 @@ enum LogFormat {
     Json,
 }
 
+/// mimalloc instead of glibc's malloc. Every proxied request allocates and frees a few
+/// dozen small blocks; glibc kept giving the top of its heap back to the kernel and taking
+/// it again (a `brk` call every ~15 requests, each with its page faults), and its
+/// per-thread caches cost more instructions. Measured in BENCHMARKS.md ("Allocator"):
+/// about 2 µs less CPU per forwarded request, for ~8 MiB more resident memory at idle.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     // First, while this is the only thread (see `descriptors` for why).
     let descriptors = tollgate::descriptors::prepare();
