@@ -333,7 +333,9 @@ impl Client {
                 let service = {
                     let first_in = first_in.clone();
                     service_fn(move |req| {
-                        if let Some(first_in) = &first_in {
+                        // `cancel` takes the token's lock even when it is done; checked
+                        // first, the requests after the first pay only a load.
+                        if let Some(first_in) = first_in.as_ref().filter(|t| !t.is_cancelled()) {
                             first_in.cancel();
                         }
                         let early = first.take();
