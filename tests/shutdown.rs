@@ -317,6 +317,28 @@ async fn check_config_reports_file_line_column_and_exits_64() {
     );
 }
 
+/// The binary's allocator is mimalloc, built to commit its arenas as they are used (the
+/// setting in `.cargo/config.toml`): committed whole, a few dozen requests waiting on
+/// kept-alive connections took 82 MiB instead of 14 (BENCHMARKS.md, "Allocator").
+/// mimalloc lists its options on stderr when `MIMALLOC_VERBOSE` is set.
+#[tokio::test]
+async fn binary_allocator_commits_arenas_as_they_are_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write_file(dir.path(), "good.toml", "[proxy]\n");
+    let out = tollgate()
+        .env("MIMALLOC_VERBOSE", "1")
+        .arg("check-config")
+        .arg(&good)
+        .output();
+    let out = tokio::time::timeout(BOUND, out).await.unwrap().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("mimalloc: option 'arena_eager_commit': 0"),
+        "mimalloc's options as the binary printed them:\n{stderr}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_serves_and_exits_0_on_sigterm() {
     let upstream = Upstream::echo().await;
