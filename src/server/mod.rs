@@ -331,11 +331,11 @@ impl Client {
                 // The outcome of the wait goes with the first request only.
                 let first = std::cell::Cell::new(ready.admission);
                 let service = {
-                    let first_in = first_in.clone();
+                    // Taken by the first request: `cancel` (and `is_cancelled`) lock the
+                    // token, which the requests after it need not do.
+                    let first_in = std::cell::Cell::new(first_in.clone());
                     service_fn(move |req| {
-                        // `cancel` takes the token's lock even when it is done; checked
-                        // first, the requests after the first pay only a load.
-                        if let Some(first_in) = first_in.as_ref().filter(|t| !t.is_cancelled()) {
+                        if let Some(first_in) = first_in.take() {
                             first_in.cancel();
                         }
                         let early = first.take();
