@@ -186,6 +186,7 @@ pub async fn serve(
     // Against slowloris; hyper also applies it while a keep-alive connection is idle.
     let header_timeout = settings.client_header_timeout.0;
     let header_timer = HeaderTimer::new(header_timer::tick(header_timeout));
+    // Stopped when `serve` returns: by then every connection has ended or been cut.
     let _sweeper = AbortOnDropHandle::new(tokio::spawn(header_timer.clone().sweep()));
     let mut http1 = http1::Builder::new();
     http1
