@@ -263,7 +263,7 @@ mod tests {
     const SMALL_ALLOCATION: usize = 1024;
 
     /// The layers' futures are boxed and moved for every request: each was brought under
-    /// glibc's small-allocation limit (BENCHMARKS.md, "Latest run: fourth session"), and
+    /// glibc's small-allocation limit (BENCHMARKS.md, "Fourth session run"), and
     /// an innocent-looking change (an `async fn` taking the request by value, a new local
     /// held across an `.await`) can double one without any test of behaviour noticing.
     #[tokio::test]
