@@ -23,8 +23,10 @@
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`descriptors`] (the descriptor limit and table, set up
-//! before any thread starts), [`body`] (the one streamed body type), [`metrics`] and
-//! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener).
+//! before any thread starts), [`body`] (the one streamed body type), [`coarse_timer`]
+//! (the client header and upstream response timeouts, swept once per tick rather than
+//! on tokio's timer wheel), [`metrics`] and [`admin`] (`/metrics`, `/healthz`,
+//! `/status` on their own listener).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -32,6 +34,7 @@
 pub mod admin;
 pub mod body;
 pub mod classify;
+pub mod coarse_timer;
 pub mod config;
 pub mod descriptors;
 pub mod error;

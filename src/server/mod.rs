@@ -10,7 +10,6 @@
 //!   shutdown.
 
 mod early;
-mod header_timer;
 mod sniff;
 
 use std::convert::Infallible;
@@ -28,15 +27,15 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::{AbortOnDropHandle, TaskTracker};
+use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Holding};
+use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
 
 use early::Ended;
-use header_timer::HeaderTimer;
 use sniff::{sniff_stream, Sniffed};
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
@@ -185,9 +184,7 @@ pub async fn serve(
 ) {
     // Against slowloris; hyper also applies it while a keep-alive connection is idle.
     let header_timeout = settings.client_header_timeout.0;
-    let header_timer = HeaderTimer::new(header_timer::tick(header_timeout));
-    // Stopped when `serve` returns: by then every connection has ended or been cut.
-    let _sweeper = AbortOnDropHandle::new(tokio::spawn(header_timer.clone().sweep()));
+    let header_timer = CoarseTimer::new(coarse_timer::tick(header_timeout));
     let mut http1 = http1::Builder::new();
     http1
         .timer(header_timer)

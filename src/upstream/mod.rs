@@ -24,6 +24,7 @@ use tokio::net::TcpStream;
 use tower::Service;
 
 use crate::body::{Body, BoxError};
+use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::ProxyConfig;
 use crate::error::ProxyError;
 use pool::Pool;
@@ -277,6 +278,8 @@ pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String
 pub struct Upstream {
     pool: Pool,
     response_timeout: Duration,
+    /// Bounds each request by `response_timeout`; this thread's own (see [`CoarseTimer`]).
+    timer: CoarseTimer,
 }
 
 impl Upstream {
@@ -294,6 +297,7 @@ impl Upstream {
         Ok(Upstream {
             pool: Pool::new(connector, config.upstream_idle_timeout.0),
             response_timeout: config.response_timeout.0,
+            timer: CoarseTimer::new(coarse_timer::tick(config.response_timeout.0)),
         })
     }
 
@@ -321,19 +325,21 @@ impl Upstream {
         *req.version_mut() = Version::HTTP_11;
 
         let after = self.response_timeout;
-        tokio::time::timeout(after, self.pool.send(req)).map(move |outcome| {
-            let response = outcome
-                .map_err(|_| ProxyError::ResponseTimeout {
-                    authority: authority_of(&uri),
-                    after,
-                })?
-                .map_err(|e| upstream_error(e.as_ref(), authority_of(&uri)))?;
-            let (mut parts, body) = response.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
-            add_via(&mut parts.headers, parts.version);
-            parts.version = Version::HTTP_11;
-            Ok(Response::from_parts(parts, body))
-        })
+        self.timer
+            .timeout(after, self.pool.send(req))
+            .map(move |outcome| {
+                let response = outcome
+                    .map_err(|_| ProxyError::ResponseTimeout {
+                        authority: authority_of(&uri),
+                        after,
+                    })?
+                    .map_err(|e| upstream_error(e.as_ref(), authority_of(&uri)))?;
+                let (mut parts, body) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                add_via(&mut parts.headers, parts.version);
+                parts.version = Version::HTTP_11;
+                Ok(Response::from_parts(parts, body))
+            })
     }
 }
 
