@@ -21,6 +21,7 @@
 //! refuse anything.
 
 use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -33,7 +34,7 @@ use tower::{Layer, Service};
 use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
-use crate::limit::layer::{admitted_early, group_and_arrival, routed, BoxFuture, Retrying};
+use crate::limit::layer::{admitted_early, group_and_arrival, routed, BoxFuture, Retrying, Routed};
 use crate::limit::Group;
 use crate::ratelimit_headers::pause_hint;
 use crate::retry_after::{backoff, retry_after};
@@ -153,8 +154,9 @@ where
 
 /// A request that may have to be sent more than once.
 enum Replayable {
-    /// The body is in memory: the request can be rebuilt for every attempt.
-    Buffered(http::request::Parts, Bytes),
+    /// The body is in memory: the request can be rebuilt for every attempt. The routing
+    /// is kept apart from the head's extensions, which the first attempt takes.
+    Buffered(http::request::Parts, Bytes, Option<Arc<Routed>>),
     /// The body streams: one attempt only (taken by the first).
     Once(Option<Request<Body>>),
 }
@@ -163,7 +165,10 @@ impl Replayable {
     /// The request with `parts` for its head and `body` as [`body::read_up_to`] left it.
     fn new(parts: http::request::Parts, body: Buffered) -> Replayable {
         match body {
-            Buffered::Complete(bytes) => Replayable::Buffered(parts, bytes),
+            Buffered::Complete(bytes) => {
+                let routed = parts.extensions.get::<Arc<Routed>>().cloned();
+                Replayable::Buffered(parts, bytes, routed)
+            }
             Buffered::Streaming(body) => Replayable::Once(Some(Request::from_parts(parts, body))),
         }
     }
@@ -179,7 +184,7 @@ impl Replayable {
     /// that leaves at once skips the copies.
     fn detach_from_connection(&mut self) {
         match self {
-            Replayable::Buffered(parts, bytes) => {
+            Replayable::Buffered(parts, bytes, _) => {
                 own_head(parts);
                 if !bytes.is_empty() {
                     *bytes = Bytes::copy_from_slice(bytes);
@@ -196,8 +201,8 @@ impl Replayable {
 
     /// The request for attempt `attempt` (0 for the first).
     fn attempt(&mut self, attempt: u32) -> Request<Body> {
-        let (parts, bytes) = match self {
-            Replayable::Buffered(parts, bytes) => (parts, bytes),
+        let (parts, bytes, routed) = match self {
+            Replayable::Buffered(parts, bytes, routed) => (parts, bytes, routed),
             Replayable::Once(req) => return req.take().expect("a streamed request is sent once"),
         };
         // No body is the common case; an empty body needs no allocation.
@@ -217,9 +222,15 @@ impl Replayable {
             // parses it into the map the request went out in), grew it twice per request
             // (~1.1k instructions of realloc, callgrind).
             std::mem::swap(req.headers_mut(), &mut parts.headers);
-        }
-        *req.extensions_mut() = parts.extensions.clone();
-        if attempt > 0 {
+            // It takes the extensions too. Cloning them cost three allocations per
+            // request (the map, its table, the routing's box), and a replay needs only
+            // the routing: the early admission's handoff is the first attempt's alone,
+            // and nothing else in them is read past the client connection.
+            *req.extensions_mut() = std::mem::take(&mut parts.extensions);
+        } else {
+            if let Some(routed) = routed {
+                req.extensions_mut().insert(routed.clone());
+            }
             req.extensions_mut().insert(Retrying);
         }
         req

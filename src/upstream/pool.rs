@@ -178,7 +178,9 @@ impl Pool {
     ) -> impl Future<Output = Result<Response<Body>, BoxError>> + Send + 'static {
         let pool = self.inner.clone();
         async move {
-            let uri = req.uri().clone();
+            // Taken out rather than cloned: each attempt sets the form its connection
+            // needs (a clone is two reference counts up, and down again, per request).
+            let uri = std::mem::take(req.uri_mut());
             let key =
                 Key::of(&uri).ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
             loop {
