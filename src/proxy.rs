@@ -33,9 +33,7 @@ use crate::body::{self, Body};
 use crate::classify::Classifier;
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
-use crate::limit::layer::{
-    routed, Admission, Handoff, Routed, Throttle, ThrottleLayer, TunnelPermit,
-};
+use crate::limit::layer::{Admission, Exchange, Routed, Throttle, ThrottleLayer};
 use crate::limit::{Group, Limits, Shared};
 use crate::metrics::Metrics;
 use crate::pushback::{Pushback, PushbackLayer};
@@ -151,16 +149,13 @@ impl Proxy {
         let group = self.limits.group_for(&target.host, target.limit.as_deref());
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
 
-        req.extensions_mut().insert(Arc::new(Routed {
+        let routed = Arc::new(Routed {
             target,
             group,
             arrived,
-        }));
-        if let Some(admission) = early {
-            req.extensions_mut().insert(Handoff::new(admission));
-        }
-
-        let answered = self.stack.clone().oneshot(req).map(|outcome| {
+        });
+        let exchange = Exchange::new(req, routed, early);
+        let answered = self.stack.clone().oneshot(exchange).map(|outcome| {
             outcome.unwrap_or_else(|e| {
                 tracing::debug!(error = %e, "request failed");
                 e.into_response()
@@ -228,7 +223,7 @@ struct DispatchInner {
     cut: CancellationToken,
 }
 
-impl Service<Request<Body>> for Dispatch {
+impl Service<Exchange> for Dispatch {
     type Response = Response<Body>;
     type Error = ProxyError;
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
@@ -237,18 +232,28 @@ impl Service<Request<Body>> for Dispatch {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
-        if req.method() != Method::CONNECT {
-            return Box::pin(self.0.upstream.send(req));
+    fn call(&mut self, exchange: Exchange) -> Self::Future {
+        if exchange.req.method() != Method::CONNECT {
+            return Box::pin(self.0.upstream.send(exchange.req));
         }
         let this = self.0.clone();
         Box::pin(async move {
-            let target = routed(&req).target.clone();
-            let permit = req
-                .extensions()
-                .get::<TunnelPermit>()
-                .and_then(|p| p.take());
-            tunnel::open(&this.dialer, &this.tunnels, &this.cut, &target, req, permit).await
+            let Exchange {
+                req,
+                routed,
+                tunnel_permit,
+                ..
+            } = exchange;
+            let target = &routed.target;
+            tunnel::open(
+                &this.dialer,
+                &this.tunnels,
+                &this.cut,
+                target,
+                req,
+                tunnel_permit,
+            )
+            .await
         })
     }
 }
@@ -278,10 +283,22 @@ mod tests {
             tunnels: TaskTracker::new(),
             cut: CancellationToken::new(),
         }));
+        let limits = Limits::new(&config, Arc::new(Metrics::new()), None);
         let get = || {
-            Request::get("http://127.0.0.1:9/x")
+            let req = Request::get("http://127.0.0.1:9/x")
                 .body(body::empty())
-                .unwrap()
+                .unwrap();
+            let routed = Arc::new(Routed {
+                target: crate::classify::Target {
+                    kind: crate::classify::Kind::Forward,
+                    host: "127.0.0.1".into(),
+                    port: 9,
+                    limit: None,
+                },
+                group: limits.group_for("127.0.0.1", None),
+                arrived: Instant::now(),
+            });
+            Exchange::new(req, routed, None)
         };
         // Calling a layer only builds its future; nothing is sent until it is polled.
         let push_back = PushbackLayer

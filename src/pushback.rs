@@ -2,7 +2,7 @@
 //! the refused request is sent again for the client.
 //!
 //! The layer sits *outside* the throttle, so a retry goes through the throttle again:
-//! back to the head of its group's queue (the [`Retrying`] mark), behind the pause, and
+//! back to the head of its group's queue ([`Exchange::retrying`]), behind the pause, and
 //! within the `max_wait` counted from the client's first arrival.
 //!
 //! ```text
@@ -34,7 +34,7 @@ use tower::{Layer, Service};
 use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
-use crate::limit::layer::{admitted_early, group_and_arrival, routed, BoxFuture, Retrying, Routed};
+use crate::limit::layer::{Admission, BoxFuture, Exchange, Routed};
 use crate::limit::Group;
 use crate::ratelimit_headers::pause_hint;
 use crate::retry_after::{backoff, retry_after};
@@ -104,9 +104,9 @@ pub struct Pushback<S> {
     inner: S,
 }
 
-impl<S> Service<Request<Body>> for Pushback<S>
+impl<S> Service<Exchange> for Pushback<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>
+    S: Service<Exchange, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>
         + Clone
         + Send
         + 'static,
@@ -119,20 +119,21 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+    fn call(&mut self, mut exchange: Exchange) -> BoxFuture {
         let mut inner = self.inner.clone();
-        if req.method() == Method::CONNECT {
+        if exchange.req.method() == Method::CONNECT {
             // A tunnel has no HTTP answer to read.
-            let req = if !admitted_early(&req) && routed(&req).group.would_wait() {
-                with_own_head(req)
-            } else {
-                req
-            };
-            return Box::pin(inner.call(req));
+            if exchange.early.is_none() && exchange.routed.group.would_wait() {
+                exchange.req = with_own_head(exchange.req);
+            }
+            return inner.call(exchange);
         }
         Box::pin(async move {
-            let (group, arrived) = group_and_arrival(&req);
-            let admitted = admitted_early(&req);
+            let Exchange {
+                req, routed, early, ..
+            } = exchange;
+            let (group, arrived) = (routed.group.clone(), routed.arrived);
+            let admitted = early.is_some();
             let (parts, body) = req.into_parts();
             // Read before queueing: this also lets hyper notice a client that leaves while
             // its request waits (it only looks once the request body has been read), so
@@ -143,7 +144,7 @@ where
                 .map_err(|e| {
                     ProxyError::BadRequest(format!("reading the request body failed: {e}"))
                 })?;
-            let mut request = Replayable::new(parts, body);
+            let mut request = Replayable::new(parts, body, routed, early);
             if !admitted && group.would_wait() {
                 request.detach_from_connection();
             }
@@ -153,23 +154,39 @@ where
 }
 
 /// A request that may have to be sent more than once.
-enum Replayable {
-    /// The body is in memory: the request can be rebuilt for every attempt. The routing
-    /// is kept apart from the head's extensions, which the first attempt takes.
-    Buffered(http::request::Parts, Bytes, Option<Arc<Routed>>),
+struct Replayable {
+    /// Its head and body.
+    message: Message,
+    /// Its routing, for every attempt.
+    routed: Arc<Routed>,
+    /// Its early admission, for the first attempt.
+    early: Option<Admission>,
+}
+
+/// The request's head and body, as [`body::read_up_to`] left them.
+enum Message {
+    /// The body is in memory: the request can be rebuilt for every attempt.
+    Buffered(http::request::Parts, Bytes),
     /// The body streams: one attempt only (taken by the first).
     Once(Option<Request<Body>>),
 }
 
 impl Replayable {
     /// The request with `parts` for its head and `body` as [`body::read_up_to`] left it.
-    fn new(parts: http::request::Parts, body: Buffered) -> Replayable {
-        match body {
-            Buffered::Complete(bytes) => {
-                let routed = parts.extensions.get::<Arc<Routed>>().cloned();
-                Replayable::Buffered(parts, bytes, routed)
-            }
-            Buffered::Streaming(body) => Replayable::Once(Some(Request::from_parts(parts, body))),
+    fn new(
+        parts: http::request::Parts,
+        body: Buffered,
+        routed: Arc<Routed>,
+        early: Option<Admission>,
+    ) -> Replayable {
+        let message = match body {
+            Buffered::Complete(bytes) => Message::Buffered(parts, bytes),
+            Buffered::Streaming(body) => Message::Once(Some(Request::from_parts(parts, body))),
+        };
+        Replayable {
+            message,
+            routed,
+            early,
         }
     }
 
@@ -183,57 +200,55 @@ impl Replayable {
     /// go: ≈ 8 KiB less per waiting request (BENCHMARKS.md, "Queue memory"). A request
     /// that leaves at once skips the copies.
     fn detach_from_connection(&mut self) {
-        match self {
-            Replayable::Buffered(parts, bytes, _) => {
+        match &mut self.message {
+            Message::Buffered(parts, bytes) => {
                 own_head(parts);
                 if !bytes.is_empty() {
                     *bytes = Bytes::copy_from_slice(bytes);
                 }
             }
-            Replayable::Once(req) => *req = req.take().map(with_own_head),
+            Message::Once(req) => *req = req.take().map(with_own_head),
         }
     }
 
     /// Whether the request can be sent again.
     fn can_replay(&self) -> bool {
-        matches!(self, Replayable::Buffered(..))
+        matches!(self.message, Message::Buffered(..))
     }
 
     /// The request for attempt `attempt` (0 for the first).
-    fn attempt(&mut self, attempt: u32) -> Request<Body> {
-        let (parts, bytes, routed) = match self {
-            Replayable::Buffered(parts, bytes, routed) => (parts, bytes, routed),
-            Replayable::Once(req) => return req.take().expect("a streamed request is sent once"),
-        };
-        // No body is the common case; an empty body needs no allocation.
-        let body = if bytes.is_empty() {
-            body::empty()
-        } else {
-            body::full(bytes.clone())
-        };
-        let mut req = Request::new(body);
-        *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = parts.uri.clone();
-        *req.version_mut() = parts.version;
-        *req.headers_mut() = parts.headers.clone();
-        if attempt == 0 {
-            // The first attempt sends the header map hyper parsed into and leaves the copy
-            // for replays: a clone has no spare room, and `Via`, then the response (hyper
-            // parses it into the map the request went out in), grew it twice per request
-            // (~1.1k instructions of realloc, callgrind).
-            std::mem::swap(req.headers_mut(), &mut parts.headers);
-            // It takes the extensions too. Cloning them cost three allocations per
-            // request (the map, its table, the routing's box), and a replay needs only
-            // the routing: the early admission's handoff is the first attempt's alone,
-            // and nothing else in them is read past the client connection.
-            *req.extensions_mut() = std::mem::take(&mut parts.extensions);
-        } else {
-            if let Some(routed) = routed {
-                req.extensions_mut().insert(routed.clone());
+    fn attempt(&mut self, attempt: u32) -> Exchange {
+        let req = match &mut self.message {
+            Message::Buffered(parts, bytes) => {
+                // No body is the common case; an empty body needs no allocation.
+                let body = if bytes.is_empty() {
+                    body::empty()
+                } else {
+                    body::full(bytes.clone())
+                };
+                let mut req = Request::new(body);
+                *req.method_mut() = parts.method.clone();
+                *req.uri_mut() = parts.uri.clone();
+                *req.version_mut() = parts.version;
+                *req.headers_mut() = parts.headers.clone();
+                if attempt == 0 {
+                    // The first attempt sends the header map hyper parsed into and leaves
+                    // the copy for replays: a clone has no spare room, and `Via`, then the
+                    // response (hyper parses it into the map the request went out in),
+                    // grew it twice per request (~1.1k instructions of realloc,
+                    // callgrind). It takes the extensions too (hyper's; rarely any):
+                    // nothing in them is read past the client connection, and a clone
+                    // would allocate.
+                    std::mem::swap(req.headers_mut(), &mut parts.headers);
+                    *req.extensions_mut() = std::mem::take(&mut parts.extensions);
+                }
+                req
             }
-            req.extensions_mut().insert(Retrying);
-        }
-        req
+            Message::Once(req) => req.take().expect("a streamed request is sent once"),
+        };
+        let mut exchange = Exchange::new(req, self.routed.clone(), self.early.take());
+        exchange.retrying = attempt > 0;
+        exchange
     }
 }
 
@@ -276,7 +291,7 @@ async fn send<S>(
     arrived: Instant,
 ) -> Result<Response<Body>, ProxyError>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>,
+    S: Service<Exchange, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>,
 {
     let settings = &group.settings;
     let mut attempt = 0;

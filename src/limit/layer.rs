@@ -1,12 +1,13 @@
 //! The throttle as tower middleware: each request waits its turn in its group, then
 //! goes on holding a concurrency permit until its response body ends.
 //!
-//! The group was chosen by [`crate::proxy::Proxy::handle`] and travels in the request's
-//! extensions ([`Routed`]), with the time the request arrived.
+//! The layers of the stack take an [`Exchange`]: the request, and what
+//! [`crate::proxy::Proxy::handle`] decided about it ([`Routed`]: its target, its group,
+//! when it arrived).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Method, Request, Response};
@@ -18,10 +19,8 @@ use crate::body::{self, Body, Holding};
 use crate::classify::Target;
 use crate::error::ProxyError;
 
-/// What [`crate::proxy::Proxy::handle`] decided about a request, carried to the layers
-/// in its extensions as one shared value: inserting or cloning it per attempt is one
-/// small allocation, where a value per fact cost one each (the allocation profile counted
-/// a fifth of all per-request allocations in extensions).
+/// What [`crate::proxy::Proxy::handle`] decided about a request, shared by all its
+/// attempts.
 pub struct Routed {
     /// Where the request goes.
     pub target: Target,
@@ -32,50 +31,41 @@ pub struct Routed {
     pub arrived: Instant,
 }
 
-/// The group [`crate::proxy::Proxy::handle`] chose for `req`, and when it arrived.
-pub fn group_and_arrival<B>(req: &Request<B>) -> (Arc<Group>, Instant) {
-    let routed = routed(req);
-    (routed.group.clone(), routed.arrived)
+/// A request on its way through the stack, and what the layers tell each other about it.
+///
+/// Fields rather than the request's extensions: the first value put there costs three
+/// allocations (the map, its table, the value's box) and every look-up a hash, ≈ 660 of
+/// the ≈ 33.5k instructions of a forwarded request (callgrind; BENCHMARKS.md, "Seventh
+/// session").
+pub struct Exchange {
+    /// The request itself.
+    pub req: Request<Body>,
+    /// Its routing.
+    pub routed: Arc<Routed>,
+    /// The outcome of its wait before hyper read it, for a new connection's first request
+    /// (see [`Admission`]); the throttle takes it instead of queueing the request again.
+    /// The first attempt's alone.
+    pub early: Option<Admission>,
+    /// Set when the upstream refused the request and it is sent again: it goes to the
+    /// head of its group's queue.
+    pub retrying: bool,
+    /// A CONNECT's concurrency permit, from the throttle to the tunnel, which holds it
+    /// while open.
+    pub tunnel_permit: Option<Permit>,
 }
 
-/// What the proxy decided about `req` (see [`Routed`]).
-pub fn routed<B>(req: &Request<B>) -> &Routed {
-    req.extensions()
-        .get::<Arc<Routed>>()
-        .expect("the proxy puts the routing in the extensions")
-}
-
-/// Marks a request that the upstream refused and that is retried: it goes to the head
-/// of its group's queue.
-#[derive(Debug, Clone, Copy)]
-pub struct Retrying;
-
-/// A value one part of the stack hands to another through a request's extensions,
-/// taken out exactly once. (Extensions must be `Clone`; a replayed request's copy finds
-/// it already taken.)
-#[derive(Debug)]
-pub struct Handoff<T>(Arc<Mutex<Option<T>>>);
-
-impl<T> Handoff<T> {
-    /// Wraps `value` for handing over.
-    pub fn new(value: T) -> Handoff<T> {
-        Handoff(Arc::new(Mutex::new(Some(value))))
-    }
-
-    /// Takes the value out; `None` if already taken.
-    pub fn take(&self) -> Option<T> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-}
-
-impl<T> Clone for Handoff<T> {
-    fn clone(&self) -> Self {
-        Handoff(self.0.clone())
+impl Exchange {
+    /// A request on its first attempt.
+    pub fn new(req: Request<Body>, routed: Arc<Routed>, early: Option<Admission>) -> Exchange {
+        Exchange {
+            req,
+            routed,
+            early,
+            retrying: false,
+            tunnel_permit: None,
+        }
     }
 }
-
-/// A CONNECT request's permit, handed to the tunnel, which holds it while open.
-pub type TunnelPermit = Handoff<Permit>;
 
 /// A request that already waited in its group before hyper read it (a new connection's
 /// first request; see [`crate::server`]'s `early` module): the throttle takes this
@@ -87,12 +77,6 @@ pub struct Admission {
     pub arrived: Instant,
     /// The permit it leaves with, or why it was refused.
     pub outcome: Result<Permit, Refusal>,
-}
-
-/// Whether `req` already waited in its group before hyper read it (its first attempt
-/// will not queue).
-pub fn admitted_early<B>(req: &Request<B>) -> bool {
-    req.extensions().get::<Handoff<Admission>>().is_some()
 }
 
 /// Adds the throttle in front of a service.
@@ -113,9 +97,9 @@ pub struct Throttle<S> {
     inner: S,
 }
 
-impl<S> Service<Request<Body>> for Throttle<S>
+impl<S> Service<Exchange> for Throttle<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>
+    S: Service<Exchange, Response = Response<Body>, Error = ProxyError, Future = BoxFuture>
         + Clone
         + Send
         + 'static,
@@ -129,17 +113,17 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut exchange: Exchange) -> Self::Future {
         let mut inner = self.inner.clone();
         Box::pin(async move {
-            let (group, arrived) = group_and_arrival(&req);
-            let front = req.extensions().get::<Retrying>().is_some();
+            let group = exchange.routed.group.clone();
+            let arrived = exchange.routed.arrived;
+            let req = &exchange.req;
             let cost = group.settings.cost_of(req.method(), req.uri().path());
             let deadline = arrived + group.settings.max_wait;
-            let early = req
-                .extensions_mut()
-                .remove::<Handoff<Admission>>()
-                .and_then(|handoff| handoff.take())
+            let early = exchange
+                .early
+                .take()
                 // Decided from the same bytes by the same classifier, and the admission
                 // keeps its group alive, so it is this request's group. Were it ever not,
                 // the request would queue in its own group (the other's permit dropped,
@@ -150,14 +134,18 @@ where
                 });
             let outcome = match early {
                 Some(admission) => admission.outcome,
-                None => group.admit(cost, arrived, deadline, front).await,
+                None => {
+                    group
+                        .admit(cost, arrived, deadline, exchange.retrying)
+                        .await
+                }
             };
             let permit = outcome.map_err(|refusal| ProxyError::refused(&group, refusal))?;
-            if req.method() == Method::CONNECT {
-                req.extensions_mut().insert(TunnelPermit::new(permit));
-                return inner.call(req).await;
+            if exchange.req.method() == Method::CONNECT {
+                exchange.tunnel_permit = Some(permit);
+                return inner.call(exchange).await;
             }
-            let response = inner.call(req).await?;
+            let response = inner.call(exchange).await?;
             // The permit is held until the response body ends: the exchange with the upstream
             // is over then, whenever hyper gets round to dropping the body.
             Ok(response.map(|b| body::boxed(Holding::new(b, permit))))
