@@ -141,7 +141,15 @@ impl Proxy {
         early: Option<Admission>,
     ) -> impl Future<Output = Response<Body>> + Send + 'static {
         let arrived = early.as_ref().map_or_else(Instant::now, |a| a.arrived);
-        let mut req = req.map(body::boxed);
+        // No body, nearly every request's case, needs no box: an empty body is a
+        // zero-sized value. (hyper's own empty body holds nothing to drop early.)
+        let mut req = req.map(|b| {
+            if http_body::Body::is_end_stream(&b) {
+                body::empty()
+            } else {
+                body::boxed(b)
+            }
+        });
         let target = match self.classifier.classify(&mut req, local) {
             Ok(target) => target,
             Err(e) => return Either::Left(std::future::ready(e.into_response())),
