@@ -10,16 +10,18 @@
 //! its eventfd (tokio does so when a new deadline may be earlier than the one the driver
 //! sleeps until): 0.77 `write` calls per forwarded request. This timer took 1.4 µs off
 //! the 26 µs of CPU a forwarded request cost (BENCHMARKS.md, "Fifth session: what the
-//! profile showed and what changed"). The response timeout's tokio timer cost 660 of the
-//! 34.1k instructions of a forwarded request (callgrind; BENCHMARKS.md, "Seventh
-//! session").
+//! profile showed and what changed"). The response timeout on tokio's timer cost 660 of
+//! the 34.1k instructions of a forwarded request, this one 340 (callgrind; BENCHMARKS.md,
+//! "Seventh session").
 //!
 //! These timeouts guard against peers that stall, and are set in seconds; they need no
 //! millisecond precision. Here a sleep is a deadline in its [`CoarseTimer`]'s list, and
 //! a sweeper task wakes those whose deadline has passed once per [`tick`]; a sleep ends
 //! no earlier than its deadline and at most one tick after it. The first sleep that
-//! waits starts the sweeper on the runtime that polls it. It wakes once per tick while
-//! any sleep is pending, not at all when none is, and ends once the timer is dropped.
+//! waits starts the sweeper on the runtime that polls it: each serving thread has its
+//! own timers, so that is the thread's runtime. The sweeper wakes once per tick while any
+//! sleep is pending, not at all when none is, and ends once the timer and all its sleeps
+//! are gone (at its next tick, or at once if it is idle).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -52,11 +54,12 @@ struct Sleepers {
     /// Each pending sleep's deadline and the waker of the task that polled it last;
     /// `None` once the sweeper has woken it.
     entries: Mutex<Slab<(Instant, Option<Waker>)>>,
-    /// Told when a sleep is added to an empty list, so an idle sweeper starts ticking,
-    /// and when the timer is dropped, so that it ends. Its own `Arc`: the sweeper waits
-    /// on it without keeping the timer alive.
-    first_added: Arc<Notify>,
-    /// Whether the sweeper has been started.
+    /// Wakes an idle sweeper: told when a sleep is added to an empty list, so that it
+    /// starts ticking, and when the timer is gone, so that it ends. Its own `Arc`: the
+    /// sweeper waits on it without keeping the timer alive.
+    wake_sweeper: Arc<Notify>,
+    /// Whether a sweeper runs (set by the sleep that starts it, cleared when it ends or
+    /// its runtime drops it, so that a later sleep starts another).
     sweeping: AtomicBool,
     /// See [`tick`].
     tick: Duration,
@@ -68,7 +71,7 @@ impl CoarseTimer {
         CoarseTimer {
             sleepers: Arc::new(Sleepers {
                 entries: Mutex::new(Slab::new()),
-                first_added: Arc::new(Notify::new()),
+                wake_sweeper: Arc::new(Notify::new()),
                 sweeping: AtomicBool::new(false),
                 tick,
             }),
@@ -76,7 +79,7 @@ impl CoarseTimer {
     }
 
     /// A sleep that ends at `deadline` or up to one tick after it.
-    pub fn sleep_until(&self, deadline: Instant) -> CoarseSleep {
+    pub fn sleep_at(&self, deadline: Instant) -> CoarseSleep {
         CoarseSleep {
             sleepers: self.sleepers.clone(),
             deadline,
@@ -89,7 +92,7 @@ impl CoarseTimer {
     pub fn timeout<F: Future>(&self, after: Duration, future: F) -> Timeout<F> {
         Timeout {
             inner: future,
-            sleep: self.sleep_until(Instant::now() + after),
+            sleep: self.sleep_at(deadline_after(after)),
         }
     }
 
@@ -100,9 +103,20 @@ impl CoarseTimer {
     }
 }
 
+/// `after` from now; a duration too long for the clock (a configured timeout of
+/// centuries) means about 30 years, as in `tokio::time`.
+fn deadline_after(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
+}
+
 /// Wakes every sleep whose deadline has passed, once per tick, while any is pending;
-/// ends once the timer is gone.
-async fn sweep(sleepers: Weak<Sleepers>, first_added: Arc<Notify>, tick: Duration) {
+/// ends once the timer and its sleeps are gone.
+async fn sweep(sleepers: Weak<Sleepers>, wake_sweeper: Arc<Notify>, tick: Duration) {
+    // However this ends (the timer gone, or the runtime dropping the task), a later
+    // sleep of a timer still in use starts a new sweeper.
+    let _running = Running(sleepers.clone());
     loop {
         let Some(pending) = sleepers.upgrade().map(|s| !s.lock().is_empty()) else {
             return;
@@ -110,7 +124,7 @@ async fn sweep(sleepers: Weak<Sleepers>, first_added: Arc<Notify>, tick: Duratio
         if !pending {
             // A sleep added after the check leaves a permit, so this cannot miss it;
             // nor the timer's drop, which notifies too.
-            first_added.notified().await;
+            wake_sweeper.notified().await;
             continue;
         }
         tokio::time::sleep(tick).await;
@@ -129,6 +143,17 @@ async fn sweep(sleepers: Weak<Sleepers>, first_added: Arc<Notify>, tick: Duratio
     }
 }
 
+/// Clears [`Sleepers::sweeping`] when the sweeper ends.
+struct Running(Weak<Sleepers>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(sleepers) = self.0.upgrade() {
+            sleepers.sweeping.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
 impl Sleepers {
     fn lock(&self) -> MutexGuard<'_, Slab<(Instant, Option<Waker>)>> {
         // A panic while holding the lock leaves the list consistent (each step is one
@@ -140,17 +165,17 @@ impl Sleepers {
 impl Drop for Sleepers {
     fn drop(&mut self) {
         // The sweeper, if waiting for a first sleep, wakes and finds the timer gone.
-        self.first_added.notify_one();
+        self.wake_sweeper.notify_one();
     }
 }
 
 impl Timer for CoarseTimer {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn Sleep>> {
-        Box::pin(self.sleep_until(Instant::now() + duration))
+        Box::pin(self.sleep_at(deadline_after(duration)))
     }
 
     fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn Sleep>> {
-        Box::pin(CoarseTimer::sleep_until(self, Instant::from_std(deadline)))
+        Box::pin(self.sleep_at(Instant::from_std(deadline)))
     }
 
     /// tokio's clock, so tests with a paused clock see the same time as the sweeper.
@@ -201,17 +226,21 @@ impl Future for CoarseSleep {
             }
             None => {
                 if entries.is_empty() {
-                    sleepers.first_added.notify_one();
+                    sleepers.wake_sweeper.notify_one();
                 }
                 this.key = Some(entries.insert((this.deadline, Some(cx.waker().clone()))));
                 None
             }
         };
         drop(entries);
-        if !sleepers.sweeping.swap(true, Ordering::Relaxed) {
+        // A load first: the sweeper nearly always runs already, and a swap would write
+        // the flag's cache line on every pending poll.
+        if !sleepers.sweeping.load(Ordering::Relaxed)
+            && !sleepers.sweeping.swap(true, Ordering::Relaxed)
+        {
             tokio::spawn(sweep(
                 Arc::downgrade(sleepers),
-                sleepers.first_added.clone(),
+                sleepers.wake_sweeper.clone(),
                 sleepers.tick,
             ));
         }
@@ -344,11 +373,22 @@ mod tests {
         assert_eq!(tasks(), 0, "the idle sweeper ended with its timer");
     }
 
+    /// A timeout too long for the clock is taken as about 30 years, not a panic.
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_too_long_for_the_clock_waits() {
+        let timer = CoarseTimer::new(Duration::from_secs(1));
+        let mut forever = timer.timeout(Duration::MAX, std::future::pending::<()>());
+        assert!(poll_once(&mut forever).await.is_pending());
+        let mut sleep = timer.sleep(Duration::MAX);
+        assert!(poll_once(&mut sleep).await.is_pending());
+        assert_eq!(timer.pending(), 2);
+    }
+
     /// A sleep whose deadline has passed ends at its first poll, without the sweeper.
     #[tokio::test(start_paused = true)]
     async fn a_past_deadline_ends_at_once_without_the_sweeper() {
         let timer = CoarseTimer::new(Duration::from_secs(1));
-        let mut sleep = timer.sleep_until(Instant::now());
+        let mut sleep = timer.sleep_at(Instant::now());
         assert!(poll_once(&mut sleep).await.is_ready());
         assert_eq!(timer.pending(), 0);
         assert_eq!(tasks(), 0, "no sweeper was started");

@@ -141,8 +141,9 @@ impl Proxy {
         early: Option<Admission>,
     ) -> impl Future<Output = Response<Body>> + Send + 'static {
         let arrived = early.as_ref().map_or_else(Instant::now, |a| a.arrived);
-        // No body, nearly every request's case, needs no box: an empty body is a
-        // zero-sized value. (hyper's own empty body holds nothing to drop early.)
+        // No body, nearly every request's case, needs no allocation: our empty body is
+        // a zero-sized value, which boxing does not allocate. (What hyper's body is
+        // dropped with here is already at its end.)
         let mut req = req.map(|b| {
             if http_body::Body::is_end_stream(&b) {
                 body::empty()

@@ -122,7 +122,12 @@ async fn response_timeout() {
     let elapsed = started.elapsed();
     let body = assert_curl_error(&out, 504, "http_response_timeout");
     assert!(body.contains(&silent.addr().to_string()), "{body}");
-    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    // Never before the timeout; the upper bound is loose (it fires up to a tick late,
+    // and this machine may be busy).
+    assert!(
+        elapsed >= Duration::from_millis(500) && elapsed < Duration::from_secs(10),
+        "{elapsed:?}"
+    );
     assert_eq!(silent.connections(), 1);
     proxy.shutdown().await;
 }

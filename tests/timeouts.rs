@@ -235,6 +235,51 @@ async fn upstream_connections_are_reused_within_the_idle_timeout() {
 }
 
 #[tokio::test]
+async fn a_connection_out_on_a_long_response_is_pooled_again_past_the_idle_sweeps() {
+    // The pool's sweeper runs every half idle timeout and drops upstreams with no idle
+    // connection left. One whose only connection is out, carrying a response that
+    // streams across several sweeps, must keep its place: the connection goes back to it
+    // when the body ends, and is reused.
+    let upstream = Upstream::start_bulk().await;
+    let proxy = start_proxy("[proxy]\nupstream_idle_timeout = \"1s\"\n").await;
+    let client = reqwest_via(&proxy, None);
+
+    let len = 100_000u64;
+    let mut held = client
+        .get(upstream.url(&format!("/bytes/{len}?hold=1000")))
+        .send()
+        .await
+        .expect("GET of a held body");
+    assert_eq!(held.status(), 200);
+    let mut got = held
+        .chunk()
+        .await
+        .expect("first bytes")
+        .map_or(0, |c| c.len() as u64);
+    // Five sweeps (every 500 ms) while the body is held at 1 000 bytes.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    upstream.release();
+    while let Some(chunk) = held.chunk().await.expect("the rest of the body") {
+        got += chunk.len() as u64;
+    }
+    assert_eq!(got, len);
+
+    // At once, well within the idle timeout.
+    let again = client
+        .get(upstream.url("/bytes/10"))
+        .send()
+        .await
+        .expect("second GET");
+    assert_eq!(again.bytes().await.expect("second body").len(), 10);
+    assert_eq!(
+        upstream.connections(),
+        1,
+        "the connection that carried the long response was not reused"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
 async fn http2_requests_slower_than_client_header_timeout_are_answered() {
     // The idle close counts only time with no request open: a slow answer, and the time
     // its body takes, are not idleness.

@@ -184,6 +184,7 @@ pub async fn serve(
 ) {
     // Against slowloris; hyper also applies it while a keep-alive connection is idle.
     let header_timeout = settings.client_header_timeout.0;
+    // Its sweeper ends once the builder and every connection holding the timer are gone.
     let header_timer = CoarseTimer::new(coarse_timer::tick(header_timeout));
     let mut http1 = http1::Builder::new();
     http1
