@@ -163,7 +163,7 @@ impl Proxy {
             group,
             arrived,
         });
-        let exchange = Exchange::new(req, routed, early);
+        let exchange = Exchange::new(req, routed, early.map(Box::new));
         let answered = self.stack.clone().oneshot(exchange).map(|outcome| {
             outcome.unwrap_or_else(|e| {
                 tracing::debug!(error = %e, "request failed");
@@ -260,7 +260,7 @@ impl Service<Exchange> for Dispatch {
                 &this.cut,
                 target,
                 req,
-                tunnel_permit,
+                tunnel_permit.map(|permit| *permit),
             )
             .await
         })

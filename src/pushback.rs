@@ -160,7 +160,7 @@ struct Replayable {
     /// Its routing, for every attempt.
     routed: Arc<Routed>,
     /// Its early admission, for the first attempt.
-    early: Option<Admission>,
+    early: Option<Box<Admission>>,
 }
 
 /// The request's head and body, as [`body::read_up_to`] left them.
@@ -177,7 +177,7 @@ impl Replayable {
         parts: http::request::Parts,
         body: Buffered,
         routed: Arc<Routed>,
-        early: Option<Admission>,
+        early: Option<Box<Admission>>,
     ) -> Replayable {
         let message = match body {
             Buffered::Complete(bytes) => Message::Buffered(parts, bytes),

@@ -36,7 +36,8 @@ pub struct Routed {
 /// Fields rather than the request's extensions: the first value put there costs three
 /// allocations (the map, its table, the value's box) and every look-up a hash. Moving
 /// to fields took 400 of the 33.5k instructions of a forwarded request (callgrind;
-/// BENCHMARKS.md, "Seventh session").
+/// BENCHMARKS.md, "Seventh session"). The two rarely set are boxed: an exchange is moved
+/// several times per layer, and inline they made it half as big again.
 pub struct Exchange {
     /// The request itself.
     pub req: Request<Body>,
@@ -45,18 +46,18 @@ pub struct Exchange {
     /// The outcome of its wait before hyper read it, for a new connection's first request
     /// (see [`Admission`]); the throttle takes it instead of queueing the request again.
     /// The first attempt's alone.
-    pub early: Option<Admission>,
+    pub early: Option<Box<Admission>>,
     /// Set when the upstream refused the request and it is sent again: it goes to the
     /// head of its group's queue.
     pub retrying: bool,
     /// A CONNECT's concurrency permit, from the throttle to the tunnel, which holds it
     /// while open.
-    pub tunnel_permit: Option<Permit>,
+    pub tunnel_permit: Option<Box<Permit>>,
 }
 
 impl Exchange {
     /// A request on its first attempt.
-    pub fn new(req: Request<Body>, routed: Arc<Routed>, early: Option<Admission>) -> Exchange {
+    pub fn new(req: Request<Body>, routed: Arc<Routed>, early: Option<Box<Admission>>) -> Exchange {
         Exchange {
             req,
             routed,
@@ -142,7 +143,7 @@ where
             };
             let permit = outcome.map_err(|refusal| ProxyError::refused(&group, refusal))?;
             if exchange.req.method() == Method::CONNECT {
-                exchange.tunnel_permit = Some(permit);
+                exchange.tunnel_permit = Some(Box::new(permit));
                 return inner.call(exchange).await;
             }
             let response = inner.call(exchange).await?;
