@@ -25,7 +25,8 @@
 //! file:line:column errors), [`descriptors`] (the descriptor limit and table, set up
 //! before any thread starts), [`body`] (the one streamed body type), [`coarse_timer`]
 //! (the client header and upstream response timeouts, swept once per tick rather than
-//! on tokio's timer wheel), [`metrics`] and [`admin`] (`/metrics`, `/healthz`,
+//! on tokio's timer wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
+//! on a kernel timer rather than tokio's millisecond one), [`metrics`] and [`admin`] (`/metrics`, `/healthz`,
 //! `/status` on their own listener).
 
 #![forbid(unsafe_code)]
@@ -40,6 +41,7 @@ pub mod descriptors;
 pub mod error;
 pub mod limit;
 pub mod metrics;
+pub mod precise_sleep;
 pub mod proxy;
 pub mod pushback;
 pub mod ratelimit_headers;

@@ -153,6 +153,15 @@ const LEASE_POLL_MAX: Duration = Duration::from_millis(100);
 /// (at its slot) when the timer woke its head late; see `Group::wait_to_leave`.
 const SLOT_CREDIT: Duration = Duration::from_millis(10);
 
+/// A head whose slot is at least this far off sleeps on a kernel timer
+/// ([`crate::precise_sleep`]) and leaves within tens of microseconds of its slot; a
+/// nearer slot (rates above ~2 000/s) is left to tokio's millisecond timer. Why: at one
+/// request per millisecond tokio's 0–2 ms lateness was the whole spread of the queue's
+/// latency, while at higher rates a late wake-up releases several due requests in one
+/// step (`Group::release_due`) and a precise one would wake the head once per slot
+/// instead, each wake-up five timer system calls more.
+const PRECISE_WAKE: Duration = Duration::from_micros(500);
+
 /// Adaptive mode: after each calm interval of this length the rate climbs by
 /// [`ADAPTIVE_STEP`] of the configured rate (additive increase, multiplicative decrease).
 const ADAPTIVE_CALM: Duration = Duration::from_secs(1);
@@ -495,8 +504,13 @@ impl Group {
                 // round trip, and its "leave at once" comes back as the time the answer
                 // arrived, after `now`. Compared with `now`, every booking slept on
                 // tokio's 1 ms timer first: 1.3 ms per request, per group, one at a time.
-                if at > Instant::now() {
-                    tokio::time::sleep_until(at).await;
+                let now = Instant::now();
+                if at > now {
+                    if at - now >= PRECISE_WAKE {
+                        crate::precise_sleep::sleep_until(at).await;
+                    } else {
+                        tokio::time::sleep_until(at).await;
+                    }
                     continue;
                 }
             }
