@@ -154,12 +154,12 @@ const LEASE_POLL_MAX: Duration = Duration::from_millis(100);
 const SLOT_CREDIT: Duration = Duration::from_millis(10);
 
 /// A head whose slot is at least this far off sleeps on a kernel timer
-/// ([`crate::precise_sleep`]) and leaves within tens of microseconds of its slot; a
-/// nearer slot (rates above ~2 000/s) is left to tokio's millisecond timer. Why: at one
-/// request per millisecond tokio's 0–2 ms lateness was the whole spread of the queue's
-/// latency, while at higher rates a late wake-up releases several due requests in one
-/// step (`Group::release_due`) and a precise one would wake the head once per slot
-/// instead, each wake-up five timer system calls more.
+/// ([`crate::precise_sleep`]) and usually leaves within tens of microseconds of its slot;
+/// a nearer slot (rates above ~2 000/s) is left to tokio's millisecond timer. Why: at
+/// one request per millisecond tokio's 0–2 ms lateness was the whole spread of the
+/// queue's latency, while at higher rates a late wake-up releases several due requests
+/// in one step (`Group::release_due`, memory store), where a precise one would wake the
+/// head once per slot: a wake-up and a system call to arm the timer for every request.
 const PRECISE_WAKE: Duration = Duration::from_micros(500);
 
 /// Adaptive mode: after each calm interval of this length the rate climbs by
