@@ -26,8 +26,8 @@
 //! before any thread starts), [`body`] (the one streamed body type), [`coarse_timer`]
 //! (the client header and upstream response timeouts, swept once per tick rather than
 //! on tokio's timer wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
-//! on a kernel timer beside tokio's millisecond one), [`metrics`] and [`admin`] (`/metrics`, `/healthz`,
-//! `/status` on their own listener).
+//! on a kernel timer beside tokio's millisecond one), [`metrics`] and [`admin`]
+//! (`/metrics`, `/healthz`, `/status` on their own listener).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
