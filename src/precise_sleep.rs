@@ -1,5 +1,5 @@
-//! A sleep that ends within tens of microseconds of its deadline, for the request at the
-//! head of a group's queue waiting for its slot.
+//! A sleep that usually ends within tens of microseconds after its deadline, for the
+//! request at the head of a group's queue waiting for its slot.
 //!
 //! tokio's timer counts whole milliseconds: a sleep is due at the first tick at or after
 //! its deadline, and the runtime parks for a whole number of milliseconds counted from
