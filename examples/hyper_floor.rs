@@ -1,0 +1,158 @@
+//! The floor under tollgate's forward path: a plain-http forward proxy made of nothing
+//! but what tollgate is built on (hyper's HTTP/1 server and client, tokio, mimalloc),
+//! with none of tollgate's work (no classification, groups, push-back, timeouts, header
+//! rewriting, metrics or tower layers).
+//!
+//! It exists to be measured beside tollgate (BENCHMARKS.md, "Ninth session"): what it
+//! costs per request is what the libraries cost, and tollgate's own cost is the rest.
+//! Not a proxy to use: it forwards absolute-form `http://` requests and nothing else,
+//! never times out, and keeps every upstream connection it ever opened.
+//!
+//! ```text
+//! cargo build --release --example hyper_floor
+//! target/release/examples/hyper_floor 127.0.0.1:18181
+//! scripts/bench-forward-cpu --nginx target/release/tollgate target/release/examples/hyper_floor
+//! ```
+//!
+//! It serves as tollgate does: one single-threaded runtime per CPU it may use, each with
+//! its own `SO_REUSEPORT` socket and its own idle upstream connections. Arguments after
+//! the address (such as the `--config` that `scripts/bench-forward-cpu` passes to every
+//! binary) are ignored.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use http::{Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpSocket, TcpStream};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// What the proxy answers with: the upstream's body as it streams, or a short error.
+type Body = BoxBody<Bytes, hyper::Error>;
+
+thread_local! {
+    /// This serving thread's idle upstream connections, by `host:port`.
+    static IDLE: RefCell<HashMap<String, Vec<SendRequest<Incoming>>>> = RefCell::default();
+}
+
+/// Listens on the address given first (or in `--config`'s `listen`) and serves.
+fn main() {
+    // `bench-forward-cpu` passes every binary `--config FILE`, as it does tollgate.
+    let addr = config_listen().unwrap_or_else(|| {
+        std::env::args()
+            .nth(1)
+            .unwrap_or_else(|| "127.0.0.1:18181".into())
+            .parse()
+            .expect("the first argument is the address to listen on")
+    });
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let handles: Vec<_> = (0..threads)
+        .map(|_| std::thread::spawn(move || serve_thread(addr)))
+        .collect();
+    for handle in handles {
+        handle.join().expect("a serving thread ends cleanly");
+    }
+}
+
+/// `listen` from a tollgate `--config FILE`, when one is given (a plain text search:
+/// the benchmark scripts write that line in one form).
+fn config_listen() -> Option<SocketAddr> {
+    let args: Vec<String> = std::env::args().collect();
+    let file = args.iter().position(|a| a == "--config")?;
+    let text = std::fs::read_to_string(args.get(file + 1)?).ok()?;
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("listen"))?;
+    line.split('"').nth(1)?.parse().ok()
+}
+
+/// One serving thread: its own runtime and socket, as tollgate's are.
+fn serve_thread(addr: SocketAddr) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async move {
+        let socket = TcpSocket::new_v4().expect("a socket");
+        socket.set_reuseaddr(true).expect("SO_REUSEADDR");
+        socket.set_reuseport(true).expect("SO_REUSEPORT");
+        socket.bind(addr).expect("bind");
+        let listener = socket.listen(1024).expect("listen");
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(forward);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+}
+
+/// Sends `req` in origin form on an idle connection to its authority (or a new one)
+/// and answers with the upstream's response. The connection goes back to the idle list
+/// as soon as the response head is in: hyper holds a second request on it until the
+/// body is read.
+async fn forward(mut req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let (Some(authority), Some(path)) = (req.uri().authority(), req.uri().path_and_query()) else {
+        return Ok(refuse(
+            StatusCode::BAD_REQUEST,
+            "absolute-form http:// only\n",
+        ));
+    };
+    let authority = authority.to_string();
+    *req.uri_mut() = path.clone().into();
+    let reused = IDLE.with(|idle| {
+        idle.borrow_mut()
+            .get_mut(&authority)
+            .and_then(|list| list.pop())
+    });
+    let mut sender = match reused {
+        Some(sender) => sender,
+        None => match connect(&authority).await {
+            Ok(sender) => sender,
+            Err(e) => return Ok(refuse(StatusCode::BAD_GATEWAY, &format!("{e}\n"))),
+        },
+    };
+    if sender.ready().await.is_err() {
+        return Ok(refuse(StatusCode::BAD_GATEWAY, "upstream closed\n"));
+    }
+    let response = sender.send_request(req).await;
+    IDLE.with(|idle| idle.borrow_mut().entry(authority).or_default().push(sender));
+    match response {
+        Ok(response) => Ok(response.map(BodyExt::boxed)),
+        Err(e) => Ok(refuse(StatusCode::BAD_GATEWAY, &format!("{e}\n"))),
+    }
+}
+
+/// A new HTTP/1.1 connection to `authority`, driven by its own task.
+async fn connect(
+    authority: &str,
+) -> Result<SendRequest<Incoming>, Box<dyn std::error::Error + Send + Sync>> {
+    let stream = TcpStream::connect(authority).await?;
+    stream.set_nodelay(true)?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
+/// An error answer with a plain-text body.
+fn refuse(status: StatusCode, text: &str) -> Response<Body> {
+    let body = Full::new(Bytes::from(text.to_owned()))
+        .map_err(|never| match never {})
+        .boxed();
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    response
+}
