@@ -11,6 +11,7 @@
 
 mod early;
 mod sniff;
+mod when_woken;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -37,6 +38,7 @@ use crate::tunnel::KeepWhileOpen;
 
 use early::Ended;
 use sniff::{sniff_stream, Sniffed};
+use when_woken::WhenWoken;
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
 /// drains in-flight requests and tunnels for up to `proxy.shutdown_grace`. One thread;
@@ -484,7 +486,8 @@ where
         // read anything, so its first poll must read a request that is already there.
         biased;
         ended = conn.as_mut() => return Some(ended),
-        () = drain => shut(conn.as_mut()),
+        // Polled only when shutdown wakes it, not at every wake of the connection.
+        () = WhenWoken::new(drain) => shut(conn.as_mut()),
     }
     tokio::select! {
         ended = conn => Some(ended),
