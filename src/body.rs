@@ -80,23 +80,28 @@ pub async fn read_up_to(mut body: Body, limit: u64) -> Result<Buffered, BoxError
 
 pin_project_lite::pin_project! {
     /// A body that holds a value (a concurrency permit, a stream's place) until the body
-    /// ends or fails, or is dropped, whichever comes first.
-    pub struct Holding<T> {
+    /// ends or fails, or is dropped, whichever comes first. Generic over the body it
+    /// wraps, so that a body can be wrapped before it is boxed, and boxed once.
+    pub struct Holding<T, B = Body> {
         #[pin]
-        inner: Body,
+        inner: B,
         held: Option<T>,
     }
 }
 
-impl<T> Holding<T> {
+impl<T, B: http_body::Body> Holding<T, B> {
     /// `inner`, holding `held` until it ends (an empty body lets go at once).
-    pub fn new(inner: Body, held: T) -> Self {
-        let held = (!http_body::Body::is_end_stream(&inner)).then_some(held);
+    pub fn new(inner: B, held: T) -> Self {
+        let held = (!inner.is_end_stream()).then_some(held);
         Holding { inner, held }
     }
 }
 
-impl<T> http_body::Body for Holding<T> {
+impl<T, B> http_body::Body for Holding<T, B>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -109,7 +114,7 @@ impl<T> http_body::Body for Holding<T> {
         if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
             this.held.take();
         }
-        polled
+        polled.map(|frame| frame.map(|result| result.map_err(Into::into)))
     }
 
     fn is_end_stream(&self) -> bool {

@@ -243,26 +243,18 @@ impl Service<Exchange> for Dispatch {
 
     fn call(&mut self, exchange: Exchange) -> Self::Future {
         if exchange.req.method() != Method::CONNECT {
-            return Box::pin(self.0.upstream.send(exchange.req));
+            return Box::pin(self.0.upstream.send(exchange.req, exchange.permit));
         }
         let this = self.0.clone();
         Box::pin(async move {
             let Exchange {
                 req,
                 routed,
-                tunnel_permit,
+                permit,
                 ..
             } = exchange;
             let target = &routed.target;
-            tunnel::open(
-                &this.dialer,
-                &this.tunnels,
-                &this.cut,
-                target,
-                req,
-                tunnel_permit.map(|permit| *permit),
-            )
-            .await
+            tunnel::open(&this.dialer, &this.tunnels, &this.cut, target, req, permit).await
         })
     }
 }

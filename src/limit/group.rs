@@ -670,7 +670,7 @@ impl Group {
                 .try_lease(&self.name, self.settings.concurrency)
                 .await
             {
-                Some(Some(lease)) => return Ok(Held::Lease(lease)),
+                Some(Some(lease)) => return Ok(Held::Lease(Box::new(lease))),
                 // Every lease is taken, on some replica: look again shortly.
                 Some(None) => {
                     tokio::time::sleep(poll).await;
@@ -830,7 +830,10 @@ pub struct Permit {
 /// What a permit holds: local semaphore permits, or a lease in the shared store.
 enum Held {
     Local(#[allow(dead_code)] OwnedSemaphorePermit),
-    Lease(#[allow(dead_code)] Lease),
+    /// Boxed: a lease is three words and two strings, and a permit rides inline in
+    /// every request's [`super::layer::Exchange`], which is moved several times per
+    /// layer; a lease is rare (shared concurrency) and allocates its strings anyway.
+    Lease(#[allow(dead_code)] Box<Lease>),
 }
 
 impl Permit {

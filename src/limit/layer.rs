@@ -10,12 +10,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{Method, Request, Response};
+use http::{Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
 use super::{Group, Permit, Refusal};
-use crate::body::{self, Body, Holding};
+use crate::body::Body;
 use crate::classify::Target;
 use crate::error::ProxyError;
 
@@ -37,7 +37,8 @@ pub struct Routed {
 /// allocations (the map, its table, the value's box) and every look-up a hash. Moving
 /// to fields took 400 of the 33.5k instructions of a forwarded request (callgrind;
 /// BENCHMARKS.md, "Seventh session"). The two rarely set are boxed: an exchange is moved
-/// several times per layer, and inline they made it half as big again.
+/// several times per layer, and inline they made it half as big again. The permit is
+/// inline: it is set for every request, and boxed it would be an allocation each time.
 pub struct Exchange {
     /// The request itself.
     pub req: Request<Body>,
@@ -50,9 +51,9 @@ pub struct Exchange {
     /// Set when the upstream refused the request and it is sent again: it goes to the
     /// head of its group's queue.
     pub retrying: bool,
-    /// A CONNECT's concurrency permit, from the throttle to the tunnel, which holds it
-    /// while open.
-    pub tunnel_permit: Option<Box<Permit>>,
+    /// The request's concurrency permit, from the throttle to whoever holds it while
+    /// the exchange lasts: a tunnel while it is open, or the response body until it ends.
+    pub permit: Option<Permit>,
 }
 
 impl Exchange {
@@ -63,7 +64,7 @@ impl Exchange {
             routed,
             early,
             retrying: false,
-            tunnel_permit: None,
+            permit: None,
         }
     }
 }
@@ -141,15 +142,13 @@ where
                         .await
                 }
             };
-            let permit = outcome.map_err(|refusal| ProxyError::refused(&group, refusal))?;
-            if exchange.req.method() == Method::CONNECT {
-                exchange.tunnel_permit = Some(Box::new(permit));
-                return inner.call(exchange).await;
-            }
-            let response = inner.call(exchange).await?;
-            // The permit is held until the response body ends: the exchange with the upstream
-            // is over then, whenever hyper gets round to dropping the body.
-            Ok(response.map(|b| body::boxed(Holding::new(b, permit))))
+            // Held by the tunnel while it is open, or by the response body until it ends:
+            // the exchange with the upstream is over then, whenever hyper gets round to
+            // dropping the body. The upstream wraps its body with it before boxing it,
+            // so that the body is boxed once (an allocation per request less).
+            exchange.permit =
+                Some(outcome.map_err(|refusal| ProxyError::refused(&group, refusal))?);
+            inner.call(exchange).await
         })
     }
 }

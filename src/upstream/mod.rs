@@ -302,16 +302,18 @@ impl Upstream {
     }
 
     /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
-    /// upstream's response head with its body still streaming.
+    /// upstream's response head with its body still streaming; the body holds `held`
+    /// (the request's concurrency permit) until it ends.
     ///
     /// The head is prepared here and the response finished by a closure, rather than in
     /// an `async fn`: the future is boxed and moved for every request, and an `async fn`
     /// keeps its arguments besides what it moves them into, so the request's 240 bytes
     /// were held twice at each level. Kept under glibc's small-allocation limit (1 KiB),
     /// the box is much cheaper to allocate.
-    pub fn send(
+    pub fn send<H: Send + Sync + 'static>(
         &self,
         mut req: Request<Body>,
+        held: H,
     ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + Send + 'static {
         // Kept for error messages only, which format it then; cloning a URI copies no bytes.
         let uri = req.uri().clone();
@@ -326,7 +328,7 @@ impl Upstream {
 
         let after = self.response_timeout;
         self.timer
-            .timeout(after, self.pool.send(req))
+            .timeout(after, self.pool.send(req, held))
             .map(move |outcome| {
                 let response = outcome
                     .map_err(|_| ProxyError::ResponseTimeout {

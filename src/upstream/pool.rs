@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tower::Service;
 
 use super::Connector;
-use crate::body::{self, Body, BoxError};
+use crate::body::{self, Body, BoxError, Holding};
 use crate::error::ProxyError;
 
 /// Which upstream a connection goes to.
@@ -167,14 +167,16 @@ impl Pool {
         }
     }
 
-    /// Sends `req` (absolute URI) and returns the response head, its body streaming.
-    /// Errors are the connector's (a [`ProxyError`] inside) or hyper's.
+    /// Sends `req` (absolute URI) and returns the response head, its body streaming and
+    /// holding `held` until it ends. Errors are the connector's (a [`ProxyError`]
+    /// inside) or hyper's.
     ///
     /// Not an `async fn`, which would hold the request twice (its argument and the local
     /// it moves into); see [`super::Upstream::send`] for why the size counts.
-    pub fn send(
+    pub fn send<H: Send + Sync + 'static>(
         &self,
         mut req: Request<Body>,
+        held: H,
     ) -> impl Future<Output = Result<Response<Body>, BoxError>> + Send + 'static {
         let pool = self.inner.clone();
         async move {
@@ -196,14 +198,16 @@ impl Pool {
                         // HTTP/1.1 names the path only; the authority is in `Host`.
                         *req.uri_mut() = origin_form(&uri);
                         match sender.try_send_request(req).await {
-                            Ok(response) => return Ok(returning(response, sender, home)),
+                            Ok(response) => return Ok(returning(response, sender, home, held)),
                             Err(e) => e,
                         }
                     }
                     Conn::Http2(mut sender) => {
                         *req.uri_mut() = uri.clone();
                         match sender.try_send_request(req).await {
-                            Ok(response) => return Ok(response.map(body::boxed)),
+                            Ok(response) => {
+                                return Ok(response.map(|b| body::boxed(Holding::new(b, held))))
+                            }
                             Err(e) => e,
                         }
                     }
@@ -324,11 +328,13 @@ where
     });
 }
 
-/// The response, its body giving the connection back to `home` when it ends.
-fn returning(
+/// The response, its body giving the connection back to `home` when it ends, and
+/// holding `held` until then.
+fn returning<H: Send + Sync + 'static>(
     response: Response<Incoming>,
     sender: http1::SendRequest<Body>,
     home: IdleList,
+    held: H,
 ) -> Response<Body> {
     response.map(|inner| {
         let mut body = Returning {
@@ -338,7 +344,7 @@ fn returning(
         if http_body::Body::is_end_stream(&body.inner) {
             give_back(&mut body.back);
         }
-        body::boxed(body)
+        body::boxed(Holding::new(body, held))
     })
 }
 
