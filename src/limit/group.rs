@@ -830,9 +830,10 @@ pub struct Permit {
 /// What a permit holds: local semaphore permits, or a lease in the shared store.
 enum Held {
     Local(#[allow(dead_code)] OwnedSemaphorePermit),
-    /// Boxed: a lease is three words and two strings, and a permit rides inline in
-    /// every request's [`super::layer::Exchange`], which is moved several times per
-    /// layer; a lease is rare (shared concurrency) and allocates its strings anyway.
+    /// Boxed: a lease is seven words (an `Arc` and two strings), and a permit rides
+    /// inline in every request's [`super::layer::Exchange`], which is moved several
+    /// times per layer; a lease is rare (shared concurrency) and allocates its strings
+    /// anyway. A permit is three words so.
     Lease(#[allow(dead_code)] Box<Lease>),
 }
 
