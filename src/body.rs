@@ -52,6 +52,10 @@ pub async fn read_up_to(mut body: Body, limit: u64) -> Result<Buffered, BoxError
     use futures_util::StreamExt;
     use http_body::Body as _;
 
+    // Nearly every request has no body: no reading, no buffer.
+    if body.is_end_stream() {
+        return Ok(Buffered::Complete(Bytes::new()));
+    }
     if body.size_hint().lower() > limit {
         return Ok(Buffered::Streaming(body));
     }

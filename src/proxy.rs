@@ -27,7 +27,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tower::{Service, ServiceBuilder, ServiceExt};
+use tower::{Service, ServiceBuilder};
 
 use crate::body::{self, Body};
 use crate::classify::Classifier;
@@ -164,7 +164,17 @@ impl Proxy {
             arrived,
         });
         let exchange = Exchange::new(req, routed, early.map(Box::new));
-        let answered = self.stack.clone().oneshot(exchange).map(|outcome| {
+        // Called directly rather than through `ServiceExt::oneshot`, whose state machine
+        // moves the exchange once more and polls readiness inside the future: every
+        // layer of the stack is always ready (their `poll_ready` says why), so asking
+        // once here with a no-op waker keeps tower's contract and costs nothing.
+        let mut stack = self.stack.clone();
+        let ready = stack.poll_ready(&mut Context::from_waker(std::task::Waker::noop()));
+        debug_assert!(
+            matches!(ready, Poll::Ready(Ok(()))),
+            "the stack is always ready"
+        );
+        let answered = stack.call(exchange).map(|outcome| {
             outcome.unwrap_or_else(|e| {
                 tracing::debug!(error = %e, "request failed");
                 e.into_response()
