@@ -15,6 +15,15 @@ pub mod layer;
 pub mod shared;
 
 use std::collections::HashMap;
+
+/// The maps looked up for every request (by host, by route name). foldhash rather than
+/// the standard SipHash: with the pool's map (`upstream::pool`), 0.38k of the 32.0k
+/// instructions of a forwarded request (callgrind). foldhash seeds every map at random,
+/// which defeats collisions computed in advance, though not an attacker who times
+/// lookups to learn the seed (its "minimal" DoS resistance). The host names come from
+/// the apps tollgate serves, and the map of hosts without a configured group is swept
+/// of idle ones.
+type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
 use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
@@ -28,8 +37,8 @@ const FIRST_SWEEP: usize = 1024;
 
 /// Every group, found by host or by name.
 pub struct Limits {
-    by_name: HashMap<String, Arc<Group>>,
-    by_host: HashMap<String, Arc<Group>>,
+    by_name: Map<Arc<Group>>,
+    by_host: Map<Arc<Group>>,
     /// `(".domain", group)`, longest first so the most specific pattern wins.
     by_suffix: Vec<(String, Arc<Group>)>,
     defaults: GroupSettings,
@@ -43,15 +52,15 @@ pub struct Limits {
 
 /// Groups of hosts that match no `[[limit]]`.
 struct Dynamic {
-    groups: HashMap<String, Arc<Group>>,
+    groups: Map<Arc<Group>>,
     sweep_at: usize,
 }
 
 impl Limits {
     /// Builds the configured groups, on the shared store when given.
     pub fn new(config: &Config, metrics: Arc<Metrics>, shared: Option<Arc<Shared>>) -> Limits {
-        let mut by_name = HashMap::new();
-        let mut by_host = HashMap::new();
+        let mut by_name = Map::default();
+        let mut by_host = Map::default();
         let mut by_suffix = Vec::new();
         for limit in &config.limits {
             let group = Arc::new(Group::new(
@@ -78,7 +87,7 @@ impl Limits {
             by_suffix,
             defaults: config.defaults.clone(),
             dynamic: RwLock::new(Dynamic {
-                groups: HashMap::new(),
+                groups: Map::default(),
                 sweep_at: FIRST_SWEEP,
             }),
             metrics,

@@ -42,6 +42,11 @@ use super::Connector;
 use crate::body::{self, Body, BoxError, Holding};
 use crate::error::ProxyError;
 
+/// A map by upstream, looked up for every request: foldhash (seeded per map) rather
+/// than SipHash, as the group maps (`crate::limit`, which says what it buys and why
+/// it is safe enough).
+type KeyMap<V> = HashMap<Key, V, foldhash::fast::RandomState>;
+
 /// Which upstream a connection goes to.
 #[derive(Debug, Clone)]
 struct Key {
@@ -139,8 +144,8 @@ pub struct Pool {
 struct Inner {
     connector: Connector,
     idle_timeout: Duration,
-    idle: Mutex<HashMap<Key, IdleList>>,
-    multiplexed: Mutex<HashMap<Key, Multiplexed>>,
+    idle: Mutex<KeyMap<IdleList>>,
+    multiplexed: Mutex<KeyMap<Multiplexed>>,
     /// Whether the task that closes expired idle connections runs.
     sweeping: AtomicBool,
 }
@@ -160,8 +165,8 @@ impl Pool {
             inner: Arc::new(Inner {
                 connector,
                 idle_timeout,
-                idle: Mutex::new(HashMap::new()),
-                multiplexed: Mutex::new(HashMap::new()),
+                idle: Mutex::new(KeyMap::default()),
+                multiplexed: Mutex::new(KeyMap::default()),
                 sweeping: AtomicBool::new(false),
             }),
         }
