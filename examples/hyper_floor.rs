@@ -6,7 +6,7 @@
 //! It exists to be measured beside tollgate (BENCHMARKS.md, "Ninth session"): what it
 //! costs per request is what the libraries cost, and tollgate's own cost is the rest.
 //! Not a proxy to use: it forwards absolute-form `http://` requests and nothing else,
-//! never times out, and keeps every upstream connection it ever opened.
+//! never times out, and keeps every idle upstream connection until the upstream closes it.
 //!
 //! ```text
 //! cargo build --release --example hyper_floor
@@ -23,8 +23,11 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use http::{Request, Response, StatusCode};
+use http_body::Frame;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::client::conn::http1::SendRequest;
@@ -101,9 +104,9 @@ fn serve_thread(addr: SocketAddr) {
 }
 
 /// Sends `req` in origin form on an idle connection to its authority (or a new one)
-/// and answers with the upstream's response. The connection goes back to the idle list
-/// as soon as the response head is in: hyper holds a second request on it until the
-/// body is read.
+/// and answers with the upstream's response. As tollgate's pool does, it takes only a
+/// connection that is ready for a request, and the response body gives the connection
+/// back when it ends.
 async fn forward(mut req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let (Some(authority), Some(path)) = (req.uri().authority(), req.uri().path_and_query()) else {
         return Ok(refuse(
@@ -114,9 +117,10 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<Body>, Infallibl
     let authority = authority.to_string();
     *req.uri_mut() = path.clone().into();
     let reused = IDLE.with(|idle| {
-        idle.borrow_mut()
-            .get_mut(&authority)
-            .and_then(|list| list.pop())
+        let mut idle = idle.borrow_mut();
+        let list = idle.get_mut(&authority)?;
+        // A connection that is not ready was closed by the upstream: dropped.
+        std::iter::from_fn(|| list.pop()).find(SendRequest::is_ready)
     });
     let mut sender = match reused {
         Some(sender) => sender,
@@ -125,15 +129,75 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<Body>, Infallibl
             Err(e) => return Ok(refuse(StatusCode::BAD_GATEWAY, &format!("{e}\n"))),
         },
     };
-    if sender.ready().await.is_err() {
-        return Ok(refuse(StatusCode::BAD_GATEWAY, "upstream closed\n"));
-    }
-    let response = sender.send_request(req).await;
-    IDLE.with(|idle| idle.borrow_mut().entry(authority).or_default().push(sender));
-    match response {
-        Ok(response) => Ok(response.map(BodyExt::boxed)),
+    match sender.send_request(req).await {
+        Ok(response) => Ok(response.map(|inner| {
+            let mut body = Returning {
+                inner,
+                back: Some((sender, authority)),
+            };
+            if inner_ended(&body.inner) {
+                give_back(&mut body.back);
+            }
+            body.boxed()
+        })),
         Err(e) => Ok(refuse(StatusCode::BAD_GATEWAY, &format!("{e}\n"))),
     }
+}
+
+/// A response body that gives its connection back to this thread's idle list when it
+/// ends.
+struct Returning {
+    inner: Incoming,
+    back: Option<(SendRequest<Incoming>, String)>,
+}
+
+impl http_body::Body for Returning {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) || inner_ended(&self.inner) {
+            give_back(&mut self.back);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+fn inner_ended(body: &Incoming) -> bool {
+    http_body::Body::is_end_stream(body)
+}
+
+/// Puts the connection in `back` into its idle list, once, as tollgate's pool does: at
+/// once if it can take the next request, else when it can.
+fn give_back(back: &mut Option<(SendRequest<Incoming>, String)>) {
+    let Some((mut sender, authority)) = back.take() else {
+        return;
+    };
+    if sender.is_ready() {
+        put(authority, sender);
+    } else if !sender.is_closed() {
+        tokio::spawn(async move {
+            if sender.ready().await.is_ok() {
+                put(authority, sender);
+            }
+        });
+    }
+}
+
+fn put(authority: String, sender: SendRequest<Incoming>) {
+    IDLE.with(|idle| idle.borrow_mut().entry(authority).or_default().push(sender));
 }
 
 /// A new HTTP/1.1 connection to `authority`, driven by its own task.

@@ -165,9 +165,11 @@ impl Proxy {
         });
         let exchange = Exchange::new(req, routed, early.map(Box::new));
         // Called directly rather than through `ServiceExt::oneshot`, whose state machine
-        // moves the exchange once more and polls readiness inside the future: every
-        // layer of the stack is always ready (their `poll_ready` says why), so asking
-        // once here with a no-op waker keeps tower's contract and costs nothing.
+        // moves the exchange once more and polls readiness inside the future. Every
+        // layer of this stack is always ready (see their `poll_ready`; a test checks
+        // it), so asking once here with a no-op waker costs nothing. A layer that can be
+        // not ready (tower's `Buffer`, `ConcurrencyLimit`) must not be added without
+        // going back to `oneshot`: this call would not wait for it.
         let mut stack = self.stack.clone();
         let ready = stack.poll_ready(&mut Context::from_waker(std::task::Waker::noop()));
         debug_assert!(
@@ -311,6 +313,11 @@ mod tests {
             });
             Exchange::new(req, routed, None)
         };
+        // `Proxy::handle` calls the stack without waiting for readiness: it must be ready
+        // at once, always.
+        let mut stack: Stack = PushbackLayer.layer(ThrottleLayer.layer(dispatch.clone()));
+        let ready = stack.poll_ready(&mut Context::from_waker(std::task::Waker::noop()));
+        assert!(matches!(ready, Poll::Ready(Ok(()))));
         // Calling a layer only builds its future; nothing is sent until it is polled.
         let push_back = PushbackLayer
             .layer(ThrottleLayer.layer(dispatch.clone()))

@@ -15,21 +15,22 @@ pub mod layer;
 pub mod shared;
 
 use std::collections::HashMap;
-
-/// The maps looked up for every request (by host, by route name). foldhash rather than
-/// the standard SipHash: with the pool's map (`upstream::pool`), 0.38k of the 32.0k
-/// instructions of a forwarded request (callgrind). foldhash seeds every map at random,
-/// which defeats collisions computed in advance, though not an attacker who times
-/// lookups to learn the seed (its "minimal" DoS resistance). The host names come from
-/// the apps tollgate serves, and the map of hosts without a configured group is swept
-/// of idle ones.
-type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
 use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
 pub use group::{Group, Permit, Refusal};
 pub use shared::Shared;
+
+/// The maps looked up for every request (by host, by route name). foldhash rather than
+/// the standard SipHash: with the pool's map (`upstream::pool`), 0.38k of the 32.0k
+/// instructions of a forwarded request (callgrind). foldhash seeds each map differently
+/// (a per-map seed on top of a random one per process), which defeats collisions
+/// computed in advance, though not an attacker who observes hashes or times lookups to
+/// learn the seed (its "minimal" DoS resistance). The host names come from the apps
+/// tollgate serves, and the map of hosts without a configured group is swept of idle
+/// ones.
+type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
 
 /// Dynamic groups are swept when their count reaches this, or twice the count left
 /// after the last sweep, so sweeping costs O(1) per new host on average.

@@ -10,8 +10,10 @@
 //!
 //! [`WhenWoken`] gives the inner future a waker of its own: it records that the inner
 //! future asked to be polled, then wakes the task. A poll that finds no such record
-//! returns `Pending` without touching the inner future. The inner future is still polled
-//! on the first poll, and whenever the task's waker changes, so no wake-up is missed.
+//! returns `Pending` without touching the inner future. The task's waker is registered
+//! on every poll, before the record is looked at, so a wake-up from any thread reaches
+//! the task whatever the order of the two (an `AtomicWaker` hand-over: two
+//! compare-and-swaps, no lock).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -21,14 +23,15 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
 
-/// `inner`, polled only when it has been woken (see the module documentation).
-pub struct WhenWoken<F> {
-    inner: Pin<Box<F>>,
-    signal: Arc<Signal>,
-    /// The inner future's waker, made once.
-    waker: Waker,
-    /// The task waker last handed to `signal`, to tell when it changes.
-    registered: Option<Waker>,
+pin_project_lite::pin_project! {
+    /// `inner`, polled only when it has been woken (see the module documentation).
+    pub struct WhenWoken<F> {
+        #[pin]
+        inner: F,
+        signal: Arc<Signal>,
+        // The inner future's waker, made once.
+        waker: Waker,
+    }
 }
 
 /// What the inner future's waker does: note the wake-up, then wake the task.
@@ -50,7 +53,7 @@ impl Wake for Signal {
 }
 
 impl<F: Future> WhenWoken<F> {
-    /// Wraps `inner`; boxed, so that the wrapper is `Unpin` whatever `inner` is.
+    /// Wraps `inner`.
     pub fn new(inner: F) -> Self {
         let signal = Arc::new(Signal {
             // Set: the first poll polls the inner future, which registers its waker.
@@ -58,10 +61,9 @@ impl<F: Future> WhenWoken<F> {
             task: AtomicWaker::new(),
         });
         WhenWoken {
-            inner: Box::pin(inner),
+            inner,
             waker: Waker::from(signal.clone()),
             signal,
-            registered: None,
         }
     }
 }
@@ -70,25 +72,15 @@ impl<F: Future> Future for WhenWoken<F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = self.get_mut();
-        let same_task = this
-            .registered
-            .as_ref()
-            .is_some_and(|w| w.will_wake(cx.waker()));
-        // Taken: the wake-up it records is being served now.
-        let woken = this.signal.woken.swap(false, Ordering::Acquire);
-        if same_task && !woken {
+        let this = self.project();
+        // First, so that a wake-up after the look below finds this task's waker.
+        this.signal.task.register(cx.waker());
+        // Taken: the wake-up it records is served now. One that lands between the
+        // register above and here is served too; one after it wakes the task again.
+        if !this.signal.woken.swap(false, Ordering::AcqRel) {
             return Poll::Pending;
         }
-        // A wake-up empties `AtomicWaker`; register again before polling, so that a
-        // wake during or after this poll reaches the task.
-        this.signal.task.register(cx.waker());
-        if !same_task {
-            this.registered = Some(cx.waker().clone());
-        }
-        this.inner
-            .as_mut()
-            .poll(&mut Context::from_waker(&this.waker))
+        this.inner.poll(&mut Context::from_waker(this.waker))
     }
 }
 
@@ -184,26 +176,29 @@ mod tests {
     }
 
     #[test]
-    fn a_new_task_waker_gets_the_inner_future_polled() {
+    fn a_wake_reaches_the_task_that_polled_last() {
         let polls = Arc::new(AtomicUsize::new(0));
+        let inner_waker = Arc::new(Mutex::new(None));
         let mut future = WhenWoken::new(Probe {
             polls: polls.clone(),
             ready: Arc::new(AtomicBool::new(false)),
-            waker: Arc::new(Mutex::new(None)),
+            waker: inner_waker.clone(),
         });
-        let first = Waker::from(Arc::new(Task(AtomicUsize::new(0))));
+        let first_task = Arc::new(Task(AtomicUsize::new(0)));
         let second_task = Arc::new(Task(AtomicUsize::new(0)));
+        let first = Waker::from(first_task.clone());
         let second = Waker::from(second_task.clone());
         assert!(Pin::new(&mut future)
             .poll(&mut Context::from_waker(&first))
             .is_pending());
+        // Moved to another task: not woken, so the inner future is left be...
         assert!(Pin::new(&mut future)
             .poll(&mut Context::from_waker(&second))
             .is_pending());
-        assert_eq!(
-            polls.load(Ordering::SeqCst),
-            2,
-            "moved to another task: polled"
-        );
+        assert_eq!(polls.load(Ordering::SeqCst), 1);
+        // ...but its wake-up goes to the new task, not the old one.
+        inner_waker.lock().unwrap().take().unwrap().wake();
+        assert_eq!(second_task.0.load(Ordering::SeqCst), 1);
+        assert_eq!(first_task.0.load(Ordering::SeqCst), 0);
     }
 }
