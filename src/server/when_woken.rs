@@ -91,11 +91,25 @@ mod tests {
     use std::sync::Mutex;
 
     /// A future that counts its polls and is ready once `ready` is set; its waker is
-    /// kept so the test can wake it.
+    /// kept so the test can wake it. Clones share their counters: the test keeps one
+    /// and wraps another.
+    #[derive(Clone, Default)]
     struct Probe {
         polls: Arc<AtomicUsize>,
         ready: Arc<AtomicBool>,
         waker: Arc<Mutex<Option<Waker>>>,
+    }
+
+    impl Probe {
+        fn polls(&self) -> usize {
+            self.polls.load(Ordering::SeqCst)
+        }
+
+        /// Wakes the wrapped future, as its event would; `ready` first if it is one.
+        fn wake(&self, ready: bool) {
+            self.ready.store(ready, Ordering::SeqCst);
+            self.waker.lock().unwrap().take().unwrap().wake();
+        }
     }
 
     impl Future for Probe {
@@ -111,6 +125,7 @@ mod tests {
     }
 
     /// A task waker that counts its wake-ups.
+    #[derive(Default)]
     struct Task(AtomicUsize);
     impl Wake for Task {
         fn wake(self: Arc<Self>) {
@@ -118,86 +133,68 @@ mod tests {
         }
     }
 
+    /// A task, and a waker for it.
+    fn task() -> (Arc<Task>, Waker) {
+        let task = Arc::new(Task::default());
+        (task.clone(), Waker::from(task))
+    }
+
+    fn poll(future: &mut WhenWoken<Probe>, waker: &Waker) -> Poll<()> {
+        Pin::new(future).poll(&mut Context::from_waker(waker))
+    }
+
     #[test]
     fn the_inner_future_is_polled_first_and_then_only_after_its_own_wake() {
-        let polls = Arc::new(AtomicUsize::new(0));
-        let ready = Arc::new(AtomicBool::new(false));
-        let inner_waker = Arc::new(Mutex::new(None));
-        let mut future = WhenWoken::new(Probe {
-            polls: polls.clone(),
-            ready: ready.clone(),
-            waker: inner_waker.clone(),
-        });
-        let task = Arc::new(Task(AtomicUsize::new(0)));
-        let waker = Waker::from(task.clone());
-        let mut cx = Context::from_waker(&waker);
+        let probe = Probe::default();
+        let mut future = WhenWoken::new(probe.clone());
+        let (task, waker) = task();
 
-        assert!(Pin::new(&mut future).poll(&mut cx).is_pending());
-        assert_eq!(polls.load(Ordering::SeqCst), 1, "the first poll reaches it");
+        assert!(poll(&mut future, &waker).is_pending());
+        assert_eq!(probe.polls(), 1, "the first poll reaches it");
         // The task wakes for other reasons (its connection): the inner one is left be.
         for _ in 0..3 {
-            assert!(Pin::new(&mut future).poll(&mut cx).is_pending());
+            assert!(poll(&mut future, &waker).is_pending());
         }
-        assert_eq!(polls.load(Ordering::SeqCst), 1);
+        assert_eq!(probe.polls(), 1);
 
         // Its own wake-up wakes the task and gets it polled once more.
-        ready.store(true, Ordering::SeqCst);
-        inner_waker.lock().unwrap().take().unwrap().wake();
+        probe.wake(true);
         assert_eq!(task.0.load(Ordering::SeqCst), 1, "the task was woken");
-        assert!(Pin::new(&mut future).poll(&mut cx).is_ready());
-        assert_eq!(polls.load(Ordering::SeqCst), 2);
+        assert!(poll(&mut future, &waker).is_ready());
+        assert_eq!(probe.polls(), 2);
     }
 
     #[test]
     fn a_wake_that_comes_after_a_served_one_still_reaches_the_task() {
-        let polls = Arc::new(AtomicUsize::new(0));
-        let ready = Arc::new(AtomicBool::new(false));
-        let inner_waker = Arc::new(Mutex::new(None));
-        let mut future = WhenWoken::new(Probe {
-            polls: polls.clone(),
-            ready: ready.clone(),
-            waker: inner_waker.clone(),
-        });
-        let task = Arc::new(Task(AtomicUsize::new(0)));
-        let waker = Waker::from(task.clone());
-        let mut cx = Context::from_waker(&waker);
+        let probe = Probe::default();
+        let mut future = WhenWoken::new(probe.clone());
+        let (task, waker) = task();
 
-        assert!(Pin::new(&mut future).poll(&mut cx).is_pending());
+        assert!(poll(&mut future, &waker).is_pending());
         // A spurious wake of the inner future: served, still pending.
-        inner_waker.lock().unwrap().take().unwrap().wake();
-        assert!(Pin::new(&mut future).poll(&mut cx).is_pending());
-        assert_eq!(polls.load(Ordering::SeqCst), 2);
+        probe.wake(false);
+        assert!(poll(&mut future, &waker).is_pending());
+        assert_eq!(probe.polls(), 2);
         // The real one later must reach the task again (the `AtomicWaker` was emptied
         // by the first, and registered again by the poll that served it).
-        ready.store(true, Ordering::SeqCst);
-        inner_waker.lock().unwrap().take().unwrap().wake();
+        probe.wake(true);
         assert_eq!(task.0.load(Ordering::SeqCst), 2);
-        assert!(Pin::new(&mut future).poll(&mut cx).is_ready());
+        assert!(poll(&mut future, &waker).is_ready());
     }
 
     #[test]
     fn a_wake_reaches_the_task_that_polled_last() {
-        let polls = Arc::new(AtomicUsize::new(0));
-        let inner_waker = Arc::new(Mutex::new(None));
-        let mut future = WhenWoken::new(Probe {
-            polls: polls.clone(),
-            ready: Arc::new(AtomicBool::new(false)),
-            waker: inner_waker.clone(),
-        });
-        let first_task = Arc::new(Task(AtomicUsize::new(0)));
-        let second_task = Arc::new(Task(AtomicUsize::new(0)));
-        let first = Waker::from(first_task.clone());
-        let second = Waker::from(second_task.clone());
-        assert!(Pin::new(&mut future)
-            .poll(&mut Context::from_waker(&first))
-            .is_pending());
+        let probe = Probe::default();
+        let mut future = WhenWoken::new(probe.clone());
+        let (first_task, first) = task();
+        let (second_task, second) = task();
+
+        assert!(poll(&mut future, &first).is_pending());
         // Moved to another task: not woken, so the inner future is left be...
-        assert!(Pin::new(&mut future)
-            .poll(&mut Context::from_waker(&second))
-            .is_pending());
-        assert_eq!(polls.load(Ordering::SeqCst), 1);
+        assert!(poll(&mut future, &second).is_pending());
+        assert_eq!(probe.polls(), 1);
         // ...but its wake-up goes to the new task, not the old one.
-        inner_waker.lock().unwrap().take().unwrap().wake();
+        probe.wake(false);
         assert_eq!(second_task.0.load(Ordering::SeqCst), 1);
         assert_eq!(first_task.0.load(Ordering::SeqCst), 0);
     }
