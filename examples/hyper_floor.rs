@@ -27,7 +27,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use http::{Request, Response, StatusCode};
-use http_body::Frame;
+use http_body::{Body as _, Frame};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::client::conn::http1::SendRequest;
@@ -135,7 +135,7 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<Body>, Infallibl
                 inner,
                 back: Some((sender, authority)),
             };
-            if inner_ended(&body.inner) {
+            if body.inner.is_end_stream() {
                 give_back(&mut body.back);
             }
             body.boxed()
@@ -160,7 +160,7 @@ impl http_body::Body for Returning {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None)) || inner_ended(&self.inner) {
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
             give_back(&mut self.back);
         }
         polled
@@ -173,10 +173,6 @@ impl http_body::Body for Returning {
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
     }
-}
-
-fn inner_ended(body: &Incoming) -> bool {
-    http_body::Body::is_end_stream(body)
 }
 
 /// Puts the connection in `back` into its idle list, once, as tollgate's pool does: at
