@@ -263,6 +263,9 @@ async fn a_request_whose_client_left_is_never_sent() {
         ),
     )
     .await;
+    // The proxy notices a client's close on its own serving thread; under load that can
+    // come after the admin listener answers, so wait for the queue to empty first.
+    wait_queued(&proxy, "one-per-2s", 0).await;
     let metrics = admin_get(&proxy, "/metrics").await;
     assert!(
         metrics.contains(r#"tollgate_requests_total{group="one-per-2s",outcome="cancelled"} 2"#),
