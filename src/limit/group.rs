@@ -226,11 +226,7 @@ impl Group {
         deadline: Instant,
         front: bool,
     ) -> Result<Permit, Refusal> {
-        if let Some(permit) = self.admit_at_once(cost) {
-            self.metrics
-                .queue_wait
-                .observe(arrived.elapsed().as_secs_f64());
-            self.metrics.admitted.inc();
+        if let Some(permit) = self.admit_now(cost, arrived) {
             return Ok(permit);
         }
         // Boxed: the wait (a place in line, a timer, the shared store's round trip) is
@@ -238,6 +234,21 @@ impl Group {
         // throttle's included, which is boxed and moved for every request, also for the
         // many that leave at once.
         Box::pin(self.wait_in_line_to_leave(cost, arrived, deadline, front)).await
+    }
+
+    /// The permit of a request of `cost` that arrived at `arrived`, when it may leave at
+    /// once (nobody ahead, no pause, the rate open, a permit free), counted as admitted;
+    /// `None` when it would have to wait, and then nothing has changed. The synchronous
+    /// half of [`Group::admit`], for a caller that would rather not build the waiting
+    /// future for the many requests that never wait (the throttle).
+    pub fn admit_now(self: &Arc<Self>, cost: u32, arrived: Instant) -> Option<Permit> {
+        let now = Instant::now();
+        let permit = self.admit_at_once(cost, now)?;
+        self.metrics
+            .queue_wait
+            .observe(now.saturating_duration_since(arrived).as_secs_f64());
+        self.metrics.admitted.inc();
+        Some(permit)
     }
 
     /// [`Group::admit`] for a request that cannot leave at once: joins the queue and
@@ -391,12 +402,11 @@ impl Group {
     /// further locks, the timer and the queue bookkeeping of [`Group::admit`]'s loop,
     /// which the profile showed on every request of an unlimited group. `None`: take
     /// the queue. The shared store always takes the queue (its pace is a round trip).
-    fn admit_at_once(self: &Arc<Self>, cost: u32) -> Option<Permit> {
+    fn admit_at_once(self: &Arc<Self>, cost: u32, now: Instant) -> Option<Permit> {
         if self.shared.is_some() {
             return None;
         }
         let mut state = self.lock();
-        let now = Instant::now();
         if !self.may_leave_at_once(&state, now) {
             return None;
         }
