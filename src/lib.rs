@@ -23,7 +23,9 @@
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`descriptors`] (the descriptor limit and table, set up
-//! before any thread starts), [`body`] (the one streamed body type), [`coarse_timer`]
+//! before any thread starts), [`body`] (the one streamed body type), [`coalesce`] (the
+//! TCP stream adapter that sends a small message's buffers with one plain write, on
+//! both sides of an HTTP/1 exchange), [`coarse_timer`]
 //! (the client header and upstream response timeouts, swept once per tick rather than
 //! on tokio's timer wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
 //! on a kernel timer beside tokio's millisecond one), [`metrics`] and [`admin`]
@@ -35,6 +37,7 @@
 pub mod admin;
 pub mod body;
 pub mod classify;
+pub mod coalesce;
 pub mod coarse_timer;
 pub mod config;
 pub mod descriptors;

@@ -25,6 +25,8 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+
+use crate::coalesce::Coalesced;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -353,7 +355,7 @@ impl Client {
                 let conn = self
                     .protocols
                     .http1
-                    .serve_connection(TokioIo::new(ready.stream), service)
+                    .serve_connection(TokioIo::new(Coalesced::new(ready.stream)), service)
                     .with_upgrades();
                 until_closed(conn, |c| c.graceful_shutdown(), drain, &cut).await
             }

@@ -24,6 +24,7 @@ use tokio::net::TcpStream;
 use tower::Service;
 
 use crate::body::{Body, BoxError};
+use crate::coalesce::Coalesced;
 use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::ProxyConfig;
 use crate::error::ProxyError;
@@ -189,7 +190,7 @@ impl Dialer {
 
 /// The connector is a `Service<Uri>` (the shape hyper-rustls wraps), called by the pool.
 impl Service<Uri> for Dialer {
-    type Response = TokioIo<TcpStream>;
+    type Response = TokioIo<Coalesced<TcpStream>>;
     type Error = ProxyError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ProxyError>> + Send>>;
 
@@ -205,7 +206,7 @@ impl Service<Uri> for Dialer {
                 _ => 80,
             });
             let stream = dialer.dial(uri.host().unwrap_or(""), port).await?;
-            Ok(TokioIo::new(stream))
+            Ok(TokioIo::new(Coalesced::new(stream)))
         })
     }
 }
@@ -219,7 +220,7 @@ struct Connector {
 }
 
 impl Service<Uri> for Connector {
-    type Response = hyper_rustls::MaybeHttpsStream<TokioIo<TcpStream>>;
+    type Response = hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
