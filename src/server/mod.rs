@@ -25,14 +25,13 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-
-use crate::coalesce::Coalesced;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Holding};
+use crate::coalesce::Coalesced;
 use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
