@@ -39,6 +39,7 @@ pin_project_lite::pin_project! {
     #[derive(Debug)]
     pub struct Coalesced<T> {
         #[pin]
+        // The stream written to.
         inner: T,
     }
 }
@@ -57,7 +58,7 @@ impl<T> Coalesced<T> {
 
 /// How a vectored write goes to the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Plan {
+enum Plan {
     /// As a plain write of the one buffer (of this index) that holds any bytes.
     One(usize),
     /// Gathered into one buffer, written with a plain write: several buffers, no more
@@ -68,7 +69,7 @@ pub enum Plan {
 }
 
 /// How `bufs` is best written. Pure, so that the choice is tested on its own.
-pub fn plan(bufs: &[IoSlice<'_>]) -> Plan {
+fn plan(bufs: &[IoSlice<'_>]) -> Plan {
     let mut filled = bufs.iter().enumerate().filter(|(_, buf)| !buf.is_empty());
     let Some((first, _)) = filled.next() else {
         // Nothing to write: a plain write of nothing answers as the vectored one would.
@@ -113,10 +114,10 @@ impl<T: AsyncWrite> AsyncWrite for Coalesced<T> {
         inner.poll_write(cx, bufs.get(one).map_or(&[], |buf| &buf[..]))
     }
 
-    /// Still vectored as far as hyper can tell, so that it keeps a big body's buffers
-    /// as they are instead of copying them into its own.
+    /// As vectored as the stream it wraps (a `TcpStream` is), so that hyper keeps a big
+    /// body's buffers as they are instead of copying them into its own.
     fn is_write_vectored(&self) -> bool {
-        true
+        self.inner.is_write_vectored()
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -134,14 +135,20 @@ fn gather<T: AsyncWrite>(
     cx: &mut Context<'_>,
     bufs: &[IoSlice<'_>],
 ) -> Poll<io::Result<usize>> {
-    GATHER.with_borrow_mut(|gathered| {
+    GATHER.with(|gather| {
+        // Taken only if free: a `Coalesced` under another stream that writes to it from
+        // inside its own gathered write (TLS over this, under this) finds it borrowed,
+        // and that inner write stays vectored.
+        let Ok(mut gathered) = gather.try_borrow_mut() else {
+            return inner.poll_write_vectored(cx, bufs);
+        };
         gathered.clear();
         for buf in bufs {
             gathered.extend_from_slice(buf);
         }
         // A short write says how many bytes went, as a short `writev` would: the caller
         // advances its buffers by that much and writes the rest again.
-        inner.poll_write(cx, gathered)
+        inner.poll_write(cx, &gathered)
     })
 }
 
@@ -155,7 +162,8 @@ impl<T: AsyncRead> AsyncRead for Coalesced<T> {
     }
 }
 
-/// What the pool's connector asks of an upstream stream (whether it negotiated h2).
+/// What hyper-rustls asks of the stream under an upstream connection (its addresses,
+/// for the connection's metadata).
 impl<T: Connection> Connection for Coalesced<T> {
     fn connected(&self) -> Connected {
         self.inner.connected()
@@ -248,7 +256,7 @@ mod tests {
             }
         };
         assert_eq!(write(&[b"HTTP/1.1 200 OK\r\n\r\n", b"ok\n"]), 22);
-        assert_eq!(write(&[b"GET / HTTP/1.1\r\n\r\n"]), 18);
+        assert_eq!(write(&[b"", b"GET / HTTP/1.1\r\n\r\n", b""]), 18);
         let big = vec![b'x'; SMALL];
         assert_eq!(write(&[b"HTTP/1.1 200 OK\r\n\r\n", &big]), 19 + SMALL);
         let recorded = stream.get_ref();

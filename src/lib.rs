@@ -24,8 +24,9 @@
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`descriptors`] (the descriptor limit and table, set up
 //! before any thread starts), [`body`] (the one streamed body type), [`coalesce`] (the
-//! TCP stream adapter that sends a small message's buffers with one plain write, on
-//! both sides of an HTTP/1 exchange), [`coarse_timer`]
+//! TCP stream adapter that sends a small write's buffers with one plain write: under
+//! HTTP/1 client connections, and under every upstream connection, TLS included),
+//! [`coarse_timer`]
 //! (the client header and upstream response timeouts, swept once per tick rather than
 //! on tokio's timer wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
 //! on a kernel timer beside tokio's millisecond one), [`metrics`] and [`admin`]

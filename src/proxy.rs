@@ -297,32 +297,41 @@ mod tests {
             cut: CancellationToken::new(),
         }));
         let limits = Limits::new(&config, Arc::new(Metrics::new()), None);
-        let get = || {
-            let req = Request::get("http://127.0.0.1:9/x")
+        let to = |host: &str| {
+            let req = Request::get(format!("http://{host}:9/x"))
                 .body(body::empty())
                 .unwrap();
             let routed = Arc::new(Routed {
                 target: crate::classify::Target {
                     kind: crate::classify::Kind::Forward,
-                    host: "127.0.0.1".into(),
+                    host: host.into(),
                     port: 9,
                     limit: None,
                 },
-                group: limits.group_for("127.0.0.1", None),
+                group: limits.group_for(host, None),
                 arrived: Instant::now(),
             });
             Exchange::new(req, routed, None)
         };
+        let get = || to("127.0.0.1");
+        // The throttle builds a future of its own only for a request that must wait
+        // (one that may leave at once gets the dispatch's): one in a paused group.
+        limits
+            .group_for("127.0.0.2", None)
+            .pause_for(std::time::Duration::from_secs(60));
         // `Proxy::handle` calls the stack without waiting for readiness: it must be ready
         // at once, always.
         let mut stack: Stack = PushbackLayer.layer(ThrottleLayer.layer(dispatch.clone()));
         let ready = stack.poll_ready(&mut Context::from_waker(std::task::Waker::noop()));
         assert!(matches!(ready, Poll::Ready(Ok(()))));
-        // Calling a layer only builds its future; nothing is sent until it is polled.
+        // Calling a layer builds its future (the throttle may admit the request then);
+        // nothing is sent until it is polled.
         let push_back = PushbackLayer
             .layer(ThrottleLayer.layer(dispatch.clone()))
             .call(get());
-        let throttle = ThrottleLayer.layer(dispatch.clone()).call(get());
+        let throttle = ThrottleLayer.layer(dispatch.clone()).call(to("127.0.0.2"));
+        let paused = limits.group_for("127.0.0.2", None);
+        assert_eq!(paused.metrics.admitted.get(), 0, "the paused request waits");
         let upstream = dispatch.clone().call(get());
         for (layer, size) in [
             ("push-back", std::mem::size_of_val(&*push_back)),

@@ -238,7 +238,8 @@ impl Group {
 
     /// The permit of a request of `cost` that arrived at `arrived`, when it may leave at
     /// once (nobody ahead, no pause, the rate open, a permit free), counted as admitted;
-    /// `None` when it would have to wait, and then nothing has changed. The synchronous
+    /// `None` when it would have to wait, and then nothing has changed; always `None` for
+    /// a group on the shared store, whose budget lives there. The synchronous
     /// half of [`Group::admit`], for a caller that would rather not build the waiting
     /// future for the many requests that never wait (the throttle).
     pub fn admit_now(self: &Arc<Self>, cost: u32, arrived: Instant) -> Option<Permit> {
@@ -402,6 +403,12 @@ impl Group {
     /// further locks, the timer and the queue bookkeeping of [`Group::admit`]'s loop,
     /// which the profile showed on every request of an unlimited group. `None`: take
     /// the queue. The shared store always takes the queue (its pace is a round trip).
+    ///
+    /// `now` is read by the caller before the lock is taken, so another thread may have
+    /// stored a later time under it: tokio's `Instant` subtraction saturates, the pause
+    /// and rate tests only get stricter with an earlier `now`, and a rate's TAT never
+    /// goes back (`max(tat, depart)`), so at worst an idle group records this departure
+    /// a lock wait early, far inside its slot credit.
     fn admit_at_once(self: &Arc<Self>, cost: u32, now: Instant) -> Option<Permit> {
         if self.shared.is_some() {
             return None;

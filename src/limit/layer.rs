@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
@@ -112,7 +112,8 @@ where
     type Future = BoxFuture;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        // Readiness is decided per request, by its group, inside the future.
+        // Readiness is decided per request, by its group. The inner service is not asked:
+        // it is the dispatch, always ready (`proxy.rs` checks the whole stack is).
         Poll::Ready(Ok(()))
     }
 
@@ -135,10 +136,16 @@ where
         // Decided here, in `call`, when it can be: most requests leave at once, and then
         // the inner service's future is this one, with no future of our own to box,
         // move and poll around it (270 of the 31.6k instructions of a forwarded request,
-        // callgrind). Only a request that waits gets one. (The caller polls what `call`
-        // returns right away, so this is the moment it would first be polled anyway.)
+        // callgrind). Only a request that waits gets one. The push-back layer calls the
+        // throttle from inside its own future and polls what it gets at once, so this is
+        // the moment that future would first have been polled anyway. A CONNECT is the
+        // exception: push-back calls the throttle for it from its `call`, and hyper may
+        // drop the future unpolled (the client gone before it is answered), so a tunnel
+        // is admitted when its future is polled, not before.
+        let connect = exchange.req.method() == Method::CONNECT;
         let outcome = match early {
             Some(admission) => Some(admission.outcome),
+            None if connect => None,
             None => group.admit_now(cost, arrived).map(Ok),
         };
         match outcome {
@@ -149,6 +156,8 @@ where
             }
             None => {
                 let mut inner = self.inner.clone();
+                // `admit` tries the fast path once more (the group may have changed since,
+                // and a request that waits can spare a lock), then waits in line.
                 Box::pin(async move {
                     let group = exchange.routed.group.clone();
                     let deadline = arrived + group.settings.max_wait;
