@@ -29,8 +29,10 @@
 //! [`coarse_timer`]
 //! (the client header and upstream response timeouts, swept once per tick rather than
 //! on tokio's timer wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
-//! on a kernel timer beside tokio's millisecond one), [`metrics`] and [`admin`]
-//! (`/metrics`, `/healthz`, `/status` on their own listener).
+//! on a kernel timer beside tokio's millisecond one), [`when_woken`] (work polled only
+//! when its own wake-up came: a client connection's shutdown watch, a TLS upstream's
+//! reads), [`metrics`] and [`admin`] (`/metrics`, `/healthz`, `/status` on their own
+//! listener).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -53,3 +55,4 @@ pub mod retry_after;
 pub mod server;
 pub mod tunnel;
 pub mod upstream;
+pub mod when_woken;

@@ -11,7 +11,6 @@
 
 mod early;
 mod sniff;
-mod when_woken;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -36,10 +35,10 @@ use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
+use crate::when_woken::WhenWoken;
 
 use early::Ended;
 use sniff::{sniff_stream, Sniffed};
-use when_woken::WhenWoken;
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
 /// drains in-flight requests and tunnels for up to `proxy.shutdown_grace`. One thread;

@@ -28,6 +28,7 @@ use crate::coalesce::Coalesced;
 use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::ProxyConfig;
 use crate::error::ProxyError;
+use crate::when_woken::ReadsWhenWoken;
 use pool::Pool;
 
 mod pool;
@@ -219,8 +220,13 @@ struct Connector {
     timeout: Duration,
 }
 
+/// An upstream connection's stream: TCP, or TLS over it, with small writes coalesced
+/// under either and, over TLS, reads attempted only when woken (see
+/// [`crate::when_woken`]: an attempt that finds nothing costs a trip through rustls).
+pub type UpstreamIo = ReadsWhenWoken<hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>>;
+
 impl Service<Uri> for Connector {
-    type Response = hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>;
+    type Response = UpstreamIo;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
@@ -234,7 +240,10 @@ impl Service<Uri> for Connector {
         let connecting = self.tls.call(uri);
         Box::pin(async move {
             match tokio::time::timeout(timeout, connecting).await {
-                Ok(result) => result,
+                Ok(result) => result.map(|io| {
+                    let tls = matches!(io, hyper_rustls::MaybeHttpsStream::Https(_));
+                    ReadsWhenWoken::new(io, tls)
+                }),
                 Err(_) => Err(ProxyError::ConnectTimeout {
                     authority,
                     after: timeout,
