@@ -119,6 +119,66 @@ async fn http2_clients_with_prior_knowledge_are_served_over_http2() {
     proxy.shutdown().await;
 }
 
+/// An HTTPS upstream that speaks HTTP/1.1 only: one pooled TLS connection carries
+/// request after request, small and big, in both directions (a TLS stream's reads are
+/// attempted only when it woke them, `when_woken.rs`; its writes are gathered or not by
+/// size, `coalesce.rs`).
+#[tokio::test]
+async fn https_http1_upstream_carries_many_requests_on_one_connection() {
+    let ca = TestCa::new();
+    let upstream = Upstream::start_tls_http1(
+        |seen| match seen.path.as_str() {
+            "/big" => Reply::ok(vec![b'd'; 300 * 1024]),
+            path => Reply::ok(format!("{path} {}", seen.body.len())),
+        },
+        &ca,
+    )
+    .await;
+    let proxy = start_proxy(&format!(
+        "[proxy]\nca_file = {:?}\n\
+         [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{}/\"\n",
+        ca.ca_pem_path().to_str().unwrap(),
+        upstream.addr().port(),
+    ))
+    .await;
+
+    // One client connection, requests one after the other, as an API client does.
+    let script = format!(
+        r#"
+import http.client
+conn = http.client.HTTPConnection("127.0.0.1", {port}, timeout=20)
+for i in range(20):
+    conn.request("GET", "/secure/n%d" % i)
+    print(conn.getresponse().read().decode())
+conn.request("GET", "/secure/big")
+big = conn.getresponse().read()
+print(len(big), big == b"d" * len(big))
+conn.request("POST", "/secure/up", body=b"u" * 100000)
+print(conn.getresponse().read().decode())
+"#,
+        port = proxy.addr.port()
+    );
+    let py = python(&script, &[]).await;
+    let mut expected: Vec<String> = (0..20).map(|i| format!("/n{i} 0")).collect();
+    expected.push(format!("{} True", 300 * 1024));
+    expected.push("/up 100000".into());
+    assert_eq!(py.stdout, expected.join("\n") + "\n", "{}", py.stderr);
+
+    let seen = upstream.requests();
+    let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+    let mut sent: Vec<String> = (0..20).map(|i| format!("/n{i}")).collect();
+    sent.extend(["/big".to_string(), "/up".to_string()]);
+    assert_eq!(paths, sent);
+    assert!(seen.iter().all(|s| s.version == http::Version::HTTP_11));
+    assert_eq!(&seen[21].body[..], &[b'u'; 100000][..]);
+    assert_eq!(
+        upstream.connections(),
+        1,
+        "every request reused the first connection"
+    );
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn https_upstream_trusted_by_ca_file() {
     let ca = TestCa::new();

@@ -199,6 +199,18 @@ impl Upstream {
         Upstream::spawn(LOCALHOST, Mode::Record(Arc::new(handler)), Some(acceptor)).await
     }
 
+    /// HTTPS upstream offering HTTP/1.1 alone by ALPN, as many API servers do: every
+    /// request on a connection is a TLS read and write of its own.
+    pub async fn start_tls_http1(
+        handler: impl Fn(&Seen) -> Reply + Send + Sync + 'static,
+        ca: &TestCa,
+    ) -> Upstream {
+        let mut config = ca.server_config();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        Upstream::spawn(LOCALHOST, Mode::Record(Arc::new(handler)), Some(acceptor)).await
+    }
+
     /// Plain HTTP upstream answering 200 with the request body.
     pub async fn echo() -> Upstream {
         Upstream::start(|seen| Reply::ok(seen.body.clone())).await
