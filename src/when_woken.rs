@@ -8,12 +8,14 @@
 //!   `Notify` to refresh the stored waker, twice per request, for a signal that comes
 //!   once in the process's life. Gated, a forwarded request costs 330 fewer
 //!   instructions of 32.8k (callgrind, BENCHMARKS.md "Ninth session").
-//! * [`ReadsWhenWoken`]: hyper's client connection reads from its upstream whenever its
-//!   task is polled (a request to send, a body given back, the pool checking it), six
-//!   times per request of which five find nothing. Over plain TCP that is a readiness
-//!   check; over TLS each goes through tokio-rustls and rustls (a read into the record
-//!   buffer, a `WouldBlock` error made and matched) before it finds nothing, ≈ 600
-//!   instructions each (callgrind, BENCHMARKS.md "Tenth session").
+//! * [`ReadsWhenWoken`]: hyper's client connection tries a read from its upstream
+//!   whenever its task is polled (a request to send, the response body asking for
+//!   more), about six times per request, most of which find nothing. Over plain TCP
+//!   such a try is a readiness check; over TLS each goes through tokio-rustls and rustls
+//!   (a read into the record buffer, a `WouldBlock` error made and matched), ≈ 380
+//!   instructions. Gated, tokio-rustls's reads per request fell from 7 to 3 and a
+//!   TLS-routed request cost 1.4k fewer instructions of 39k (callgrind, BENCHMARKS.md
+//!   "Tenth session").
 //!
 //! The inner work gets a waker of its own ([`Gate`]): it records that the inner work
 //! asked to be polled, then wakes the task. A poll that finds no such record returns
@@ -34,7 +36,8 @@ use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_util::client::legacy::connect::{Connected, Connection};
 
 /// The record of whether the inner work asked to be polled, and the waker it is given.
-pub struct Gate {
+pub(crate) struct Gate {
+    // Shared with the waker below, which may fire on any thread.
     signal: Arc<Signal>,
     // The inner work's waker, made once.
     waker: Waker,
@@ -42,7 +45,9 @@ pub struct Gate {
 
 /// What the inner work's waker does: note the wake-up, then wake the task.
 struct Signal {
+    // Whether the inner work was woken since it was last let through.
     woken: AtomicBool,
+    // The task that polled last, to wake in its turn.
     task: AtomicWaker,
 }
 
@@ -61,7 +66,7 @@ impl Wake for Signal {
 impl Gate {
     /// A gate that lets the first poll through (the inner work has not asked for
     /// anything yet, so nothing else would).
-    pub fn new() -> Gate {
+    pub(crate) fn new() -> Gate {
         let signal = Arc::new(Signal {
             woken: AtomicBool::new(true),
             task: AtomicWaker::new(),
@@ -74,7 +79,7 @@ impl Gate {
 
     /// The waker to poll the inner work with, if it has been woken since it was last
     /// let through; `None`: leave it be, this task will be woken when it is.
-    pub fn open(&self, cx: &Context<'_>) -> Option<&Waker> {
+    pub(crate) fn open(&self, cx: &Context<'_>) -> Option<&Waker> {
         // First, so that a wake-up after the look below finds this task's waker.
         self.signal.task.register(cx.waker());
         // Taken: the wake-up it records is served now. One that lands between the
@@ -87,7 +92,7 @@ impl Gate {
 
     /// Lets the next poll through: the inner work answered without waiting, so it has
     /// registered no waker and nothing would wake it.
-    pub fn leave_open(&self) {
+    pub(crate) fn leave_open(&self) {
         self.signal.woken.store(true, Ordering::Relaxed);
     }
 }
@@ -131,9 +136,9 @@ impl<F: Future> Future for WhenWoken<F> {
 }
 
 pin_project_lite::pin_project! {
-    /// `inner`, whose reads are attempted only when the last one found nothing and it has
-    /// been woken since (see the module documentation); writes pass straight through.
-    /// Ungated, it is `inner` as it is.
+    /// `inner`, where a read after one that found nothing is attempted only once the
+    /// stream has woken it (see the module documentation); writes pass straight
+    /// through. Ungated, it is `inner` as it is.
     pub struct ReadsWhenWoken<T> {
         #[pin]
         inner: T,
@@ -167,8 +172,9 @@ impl<T: Read> Read for ReadsWhenWoken<T> {
         };
         let read = this.inner.poll_read(&mut Context::from_waker(waker), buf);
         // A read that waits has registered the gate's waker with whatever it waits on
-        // (the socket, or tokio's budget, which wakes at once); one that did not wait
-        // registered nothing, and the next read must go through.
+        // (the socket), or has woken it already (tokio-rustls when rustls has nothing to
+        // give, tokio's budget once the task yields); one that did not wait registered
+        // nothing, and the next read must go through.
         if read.is_ready() {
             gate.leave_open();
         }
@@ -336,6 +342,9 @@ mod tests {
         reads: usize,
         data: Option<&'static [u8]>,
         waker: Option<Waker>,
+        /// Wakes its reader before answering `Pending`, as tokio-rustls does when rustls
+        /// has nothing to give and the socket did not block.
+        wakes_at_once: bool,
     }
 
     impl Read for Socket {
@@ -349,6 +358,10 @@ mod tests {
                 Some(data) => {
                     buf.put_slice(data);
                     Poll::Ready(Ok(()))
+                }
+                None if self.wakes_at_once => {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
                 }
                 None => {
                     self.waker = Some(cx.waker().clone());
@@ -395,6 +408,21 @@ mod tests {
         // A read that answered registered nothing: the next one goes through.
         assert_eq!(read(&mut stream, &waker), None);
         assert_eq!(stream.inner.reads, 3);
+    }
+
+    #[test]
+    fn a_read_that_woke_itself_goes_through_next_time() {
+        let socket = Socket {
+            wakes_at_once: true,
+            ..Socket::default()
+        };
+        let mut stream = ReadsWhenWoken::new(socket, true);
+        let (task, waker) = task();
+        for reads in 1..=3 {
+            assert_eq!(read(&mut stream, &waker), None);
+            assert_eq!(stream.inner.reads, reads);
+            assert_eq!(task.0.load(Ordering::SeqCst), reads, "the task was woken");
+        }
     }
 
     #[test]

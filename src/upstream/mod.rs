@@ -223,7 +223,8 @@ struct Connector {
 /// An upstream connection's stream: TCP, or TLS over it, with small writes coalesced
 /// under either and, over TLS, reads attempted only when woken (see
 /// [`crate::when_woken`]: an attempt that finds nothing costs a trip through rustls).
-pub type UpstreamIo = ReadsWhenWoken<hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>>;
+pub(crate) type UpstreamIo =
+    ReadsWhenWoken<hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>>;
 
 impl Service<Uri> for Connector {
     type Response = UpstreamIo;
