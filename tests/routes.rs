@@ -3,7 +3,13 @@
 
 mod support;
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn base_path_query_and_longest_prefix() {
@@ -255,4 +261,84 @@ async fn absolute_form_to_tollgate_itself_is_routed_not_looped() {
     // Exactly one hop: it did not go through tollgate twice.
     assert_eq!(seen[0].headers.get_all("via").iter().count(), 1);
     proxy.shutdown().await;
+}
+
+/// An HTTPS upstream (HTTP/1.1 only) that answers one request per connection and then
+/// closes it without `Connection: close`: with a TLS `close_notify` first when `notify`,
+/// or by dropping the TCP connection. Returns its address and counts of the connections
+/// it accepted and the requests it answered.
+async fn closing_tls_upstream(
+    ca: &TestCa,
+    notify: bool,
+) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let mut config = ca.server_config();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (connections, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let counts = (connections.clone(), requests.clone());
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            counts.0.fetch_add(1, Ordering::SeqCst);
+            let (acceptor, requests) = (acceptor.clone(), counts.1.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(socket).await else {
+                    return;
+                };
+                let mut head = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                requests.fetch_add(1, Ordering::SeqCst);
+                let reply = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                if tls.write_all(reply).await.is_ok() && notify {
+                    let _ = tls.shutdown().await;
+                }
+            });
+        }
+    });
+    (addr, connections, requests)
+}
+
+/// A pooled TLS connection the upstream has closed is noticed while it sits idle (its
+/// reads wait for the socket's wake-up, `when_woken.rs`, and the close is one) and is
+/// not handed out again; no request reaches the upstream twice. Both ways of closing:
+/// with `close_notify`, and by dropping the TCP connection.
+#[tokio::test]
+async fn an_https_upstream_that_closes_after_each_response_gets_each_request_once() {
+    for notify in [true, false] {
+        let ca = TestCa::new();
+        let (addr, connections, requests) = closing_tls_upstream(&ca, notify).await;
+        let proxy = start_proxy(&format!(
+            "[proxy]\nca_file = {:?}\n\
+             [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{}/\"\n",
+            ca.ca_pem_path().to_str().unwrap(),
+            addr.port(),
+        ))
+        .await;
+        let client = reqwest_direct();
+        for i in 0..10 {
+            let resp = client
+                .get(format!("{}/secure/{i}", proxy.url()))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200, "request {i}, close_notify {notify}");
+            assert_eq!(resp.text().await.unwrap(), "ok");
+            // Give the close time to arrive before the next request, as in real life.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(requests.load(Ordering::SeqCst), 10, "close_notify {notify}");
+        assert_eq!(
+            connections.load(Ordering::SeqCst),
+            10,
+            "close_notify {notify}"
+        );
+        proxy.shutdown().await;
+    }
 }
