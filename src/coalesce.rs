@@ -12,7 +12,7 @@
 //! Measured on a forwarded request (`scripts/bench-forward-cpu`, pinned; BENCHMARKS.md,
 //! "Tenth session"): this took 0.6 µs off its 18.4 µs of CPU. hyper's own switch
 //! (`writev(false)`: every message flattened into one buffer) took 0.8 µs, but made a
-//! 1 MiB response cost 35 % more, its body copied; with this adapter it costs what it did.
+//! 1 MiB response cost 37 % more, its body copied; with this adapter it costs what it did.
 
 use std::cell::RefCell;
 use std::io::{self, IoSlice};
