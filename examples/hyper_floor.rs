@@ -15,9 +15,14 @@
 //! ```
 //!
 //! It serves as tollgate does: one single-threaded runtime per CPU it may use, each with
-//! its own `SO_REUSEPORT` socket and its own idle upstream connections. Arguments after
-//! the address (such as the `--config` that `scripts/bench-forward-cpu` passes to every
-//! binary) are ignored.
+//! its own `SO_REUSEPORT` socket and its own idle upstream connections. It listens on the
+//! address given first, or on the `listen` of a `--config FILE` (which
+//! `scripts/bench-forward-cpu` passes to every binary); nothing else is read.
+//!
+//! It writes as hyper does by default, a `writev` per message. tollgate sends a small
+//! message with one `send` instead (`src/coalesce.rs`), which costs the kernel less: its
+//! system time per request is no longer above the floor's by much, and the comparison
+//! that still tells is user time (BENCHMARKS.md, "Tenth session").
 
 use std::cell::RefCell;
 use std::collections::HashMap;
