@@ -140,13 +140,7 @@ async fn https_http1_upstream_carries_many_requests_on_one_connection() {
         &ca,
     )
     .await;
-    let proxy = start_proxy(&format!(
-        "[proxy]\nca_file = {:?}\n\
-         [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{}/\"\n",
-        ca.ca_pem_path().to_str().unwrap(),
-        upstream.addr().port(),
-    ))
-    .await;
+    let proxy = secure_route(&ca, upstream.addr().port(), "/").await;
 
     // One client connection, requests one after the other, as an API client does.
     let script = format!(
@@ -193,14 +187,7 @@ async fn https_upstream_trusted_by_ca_file() {
         &ca,
     )
     .await;
-    // By name, so the certificate is checked against `localhost` (SNI and SAN).
-    let proxy = start_proxy(&format!(
-        "[proxy]\nca_file = {:?}\n\
-         [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{}/v3\"\n",
-        ca.ca_pem_path().to_str().unwrap(),
-        upstream.addr().port(),
-    ))
-    .await;
+    let proxy = secure_route(&ca, upstream.addr().port(), "/v3").await;
 
     let get = curl(&[&format!("{}/secure/hello?q=1", proxy.url())], &[]).await;
     assert_eq!((get.code, get.status), (0, 200), "{}", get.stderr);
@@ -271,9 +258,7 @@ async fn closing_tls_upstream(
     ca: &TestCa,
     notify: bool,
 ) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
-    let mut config = ca.server_config();
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config_http1()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (connections, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -314,13 +299,7 @@ async fn an_https_upstream_that_closes_after_each_response_gets_each_request_onc
     for notify in [true, false] {
         let ca = TestCa::new();
         let (addr, connections, requests) = closing_tls_upstream(&ca, notify).await;
-        let proxy = start_proxy(&format!(
-            "[proxy]\nca_file = {:?}\n\
-             [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{}/\"\n",
-            ca.ca_pem_path().to_str().unwrap(),
-            addr.port(),
-        ))
-        .await;
+        let proxy = secure_route(&ca, addr.port(), "/").await;
         let client = reqwest_direct();
         for i in 0..10 {
             let resp = client
@@ -341,4 +320,15 @@ async fn an_https_upstream_that_closes_after_each_response_gets_each_request_onc
         );
         proxy.shutdown().await;
     }
+}
+
+/// tollgate with one route, `/secure/` to `https://localhost:<port><base>`, trusting
+/// `ca` (by name, so the certificate is checked against `localhost`: SNI and SAN).
+async fn secure_route(ca: &TestCa, port: u16, base: &str) -> Proxy {
+    start_proxy(&format!(
+        "[proxy]\nca_file = {:?}\n\
+         [[route]]\nprefix = \"/secure/\"\nupstream = \"https://localhost:{port}{base}\"\n",
+        ca.ca_pem_path().to_str().unwrap(),
+    ))
+    .await
 }

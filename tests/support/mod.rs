@@ -205,9 +205,7 @@ impl Upstream {
         handler: impl Fn(&Seen) -> Reply + Send + Sync + 'static,
         ca: &TestCa,
     ) -> Upstream {
-        let mut config = ca.server_config();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let acceptor = TlsAcceptor::from(Arc::new(ca.server_config_http1()));
         Upstream::spawn(LOCALHOST, Mode::Record(Arc::new(handler)), Some(acceptor)).await
     }
 
@@ -835,6 +833,15 @@ impl TestCa {
             .with_single_cert(vec![self.cert.clone()], key)
             .expect("server TLS config");
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        config
+    }
+}
+
+impl TestCa {
+    /// [`TestCa::server_config`] offering HTTP/1.1 alone by ALPN.
+    pub fn server_config_http1(&self) -> rustls::ServerConfig {
+        let mut config = self.server_config();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
         config
     }
 }
