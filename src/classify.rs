@@ -75,10 +75,9 @@ impl Classifier {
         // `:authority`, which then names tollgate itself.
         if let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) {
             if req.version() != Version::HTTP_2 {
-                // Host and port parsed once for both decisions: each parse scans the
-                // authority, and parsing them per check cost ~1k instructions a request.
-                let host = authority.host();
-                let port = authority.port_u16().unwrap_or(default_port(scheme));
+                // Host and port split once for both decisions (see `host_and_port`).
+                let (host, port) = host_and_port(authority);
+                let port = port.unwrap_or(default_port(scheme));
                 if !addressed_to(host, port, local) {
                     return forward(uri, scheme, authority, host, port);
                 }
@@ -95,17 +94,17 @@ impl Classifier {
             ))
         };
         let authority = uri.authority().ok_or_else(bad)?;
-        if uri.scheme().is_some() || authority.as_str().contains('@') || authority.host().is_empty()
-        {
+        let (host, port) = host_and_port(authority);
+        if uri.scheme().is_some() || authority.as_str().contains('@') || host.is_empty() {
             return Err(bad());
         }
-        let port = authority.port_u16().filter(|p| *p != 0).ok_or_else(bad)?;
+        let port = port.filter(|p| *p != 0).ok_or_else(bad)?;
         if !self.connect_ports.allows(port) {
             return Err(ProxyError::PortNotAllowed { port });
         }
         Ok(Target {
             kind: Kind::Tunnel,
-            host: authority.host().to_ascii_lowercase(),
+            host: host.to_ascii_lowercase(),
             port,
             limit: None,
         })
@@ -180,11 +179,37 @@ fn forward(
 }
 
 fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Target {
+    let (host, port) = host_and_port(authority);
     Target {
         kind,
-        host: authority.host().to_ascii_lowercase(),
-        port: authority.port_u16().unwrap_or(default_port(scheme)),
+        host: host.to_ascii_lowercase(),
+        port: port.unwrap_or(default_port(scheme)),
         limit: None,
+    }
+}
+
+/// `authority`'s host and port, as [`Authority::host`] and [`Authority::port_u16`]
+/// find them: the host after any userinfo (an IPv6 literal keeps its brackets), the
+/// port after the last `:` that is not inside them, `None` when there is none or it is
+/// not a number that fits a `u16`.
+///
+/// Split by hand because every forwarded request needs both: `http` finds them with
+/// generic string searches (`rsplit('@')`, `split(':')`, `rfind(':')`), ≈ 680
+/// instructions for `127.0.0.1:8080`, 2 % of a forwarded request (callgrind); two
+/// backward scans of the bytes do it in a tenth of that. A test holds it to `http`'s
+/// answers.
+fn host_and_port(authority: &Authority) -> (&str, Option<u16>) {
+    let text = authority.as_str();
+    let host_port = match text.bytes().rposition(|b| b == b'@') {
+        Some(at) => &text[at + 1..],
+        None => text,
+    };
+    // A `]` before any `:` (from the end) closes an IPv6 literal with no port after it.
+    match host_port.bytes().rposition(|b| b == b':' || b == b']') {
+        Some(i) if host_port.as_bytes()[i] == b':' => {
+            (&host_port[..i], host_port[i + 1..].parse().ok())
+        }
+        _ => (host_port, None),
     }
 }
 
@@ -229,6 +254,37 @@ mod tests {
         let mut req = Request::builder().method(method).uri(uri).body(()).unwrap();
         let t = c.classify(&mut req, LOCAL.parse().unwrap());
         (t, req.uri().to_string())
+    }
+
+    #[test]
+    fn host_and_port_agree_with_http() {
+        let cases = [
+            "a.example",
+            "a.example:8080",
+            "A.Example:443",
+            "127.0.0.1:18080",
+            "[::1]",
+            "[::1]:8080",
+            "[2001:db8::1]:443",
+            "[::ffff:127.0.0.1]:80",
+            "user@host",
+            "user:pw@host:81",
+            "user:pw@[::1]:82",
+            "u@v@host:83",
+            "host:",
+            "[::1]:",
+            "host:0",
+            "host:65535",
+            "host:65536",
+            "host:99999",
+            "host:0080",
+        ];
+        for text in cases {
+            // All of them are authorities `http` accepts: only those reach the split.
+            let authority = Authority::try_from(text).unwrap();
+            let expected = (authority.host(), authority.port_u16());
+            assert_eq!(host_and_port(&authority), expected, "{text}");
+        }
     }
 
     #[test]
