@@ -130,18 +130,27 @@ impl Classifier {
             });
         };
         let upstream = &route.upstream;
-        let mut path_and_query = format!("{}/{rest}", upstream.base_path);
-        if let Some(query) = req.uri().query() {
+        // Pushed rather than `format!`ted: every routed request comes here, and the
+        // formatting machinery cost ~350 instructions of the route's ~1.1k over the
+        // forward path (callgrind).
+        let query = req.uri().query();
+        let base = upstream.base_path.as_str();
+        let mut path_and_query =
+            String::with_capacity(base.len() + 1 + rest.len() + query.map_or(0, |q| 1 + q.len()));
+        path_and_query.push_str(base);
+        path_and_query.push('/');
+        path_and_query.push_str(rest);
+        if let Some(query) = query {
             path_and_query.push('?');
             path_and_query.push_str(query);
         }
         let path_and_query = PathAndQuery::try_from(path_and_query)
             .map_err(|e| ProxyError::BadRequest(format!("cannot rewrite path: {e}")))?;
-        let uri = Uri::builder()
-            .scheme(upstream.scheme.clone())
-            .authority(upstream.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(upstream.scheme.clone());
+        parts.authority = Some(upstream.authority.clone());
+        parts.path_and_query = Some(path_and_query);
+        let uri = Uri::from_parts(parts)
             .map_err(|e| ProxyError::BadRequest(format!("cannot rewrite path: {e}")))?;
         let mut target = target_of(&upstream.scheme, &upstream.authority, Kind::Route);
         target.limit = route.limit.clone();
