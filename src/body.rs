@@ -101,23 +101,24 @@ impl<T, B: http_body::Body> Holding<T, B> {
     }
 }
 
-// The inner body's own error type: [`boxed`] converts it when the body is boxed, and
-// a conversion here too would make hyper's HTTP/1 connection future, which holds a
-// `Holding` unboxed, fail the compiler's `Send` check (a higher-ranked `Into` bound).
-impl<T, B: http_body::Body> http_body::Body for Holding<T, B> {
-    type Data = B::Data;
-    type Error = B::Error;
+impl<T, B> http_body::Body for Holding<T, B>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.project();
         let polled = this.inner.poll_frame(cx);
         if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
             this.held.take();
         }
-        polled
+        polled.map(|frame| frame.map(|result| result.map_err(Into::into)))
     }
 
     fn is_end_stream(&self) -> bool {

@@ -1,15 +1,18 @@
 //! Timeouts set in seconds, checked by one sweeper per timer instead of tokio's timers:
+//! `client_header_timeout` on HTTP/1 client connections (as hyper's [`Timer`]) and
 //! `response_timeout` on requests sent upstream ([`CoarseTimer::timeout`]).
 //!
-//! Every request starts such a deadline and nearly always drops it unexpired. With
-//! tokio's timer each was an entry put into and taken out of the runtime's timer wheel
-//! under its lock, and most also woke the runtime's driver through its eventfd (tokio
-//! does so when a new deadline may be earlier than the one the driver sleeps until).
-//! The response timeout on tokio's timer cost 660 of the 34.1k instructions of a
-//! forwarded request, this one 340 (callgrind; BENCHMARKS.md, "Seventh session").
-//! (This timer also served hyper's header timeout on HTTP/1 client connections, where
-//! it took 1.4 µs off the 26 µs a forwarded request cost then (BENCHMARKS.md, "Fifth
-//! session"), until that timeout moved to the connection itself, `server/idle.rs`.)
+//! Both start a deadline for every request and nearly always drop it unexpired. hyper
+//! starts a new sleep each time an HTTP/1 connection waits for a request head, which on
+//! a kept-alive connection is once per request, and drops it when the head arrives.
+//! With tokio's timer each of these was an entry put into and taken out of the
+//! runtime's timer wheel under its lock, and most also woke the runtime's driver through
+//! its eventfd (tokio does so when a new deadline may be earlier than the one the driver
+//! sleeps until): 0.77 `write` calls per forwarded request. This timer took 1.4 µs off
+//! the 26 µs of CPU a forwarded request cost (BENCHMARKS.md, "Fifth session: what the
+//! profile showed and what changed"). The response timeout on tokio's timer cost 660 of
+//! the 34.1k instructions of a forwarded request, this one 340 (callgrind; BENCHMARKS.md,
+//! "Seventh session").
 //!
 //! These timeouts guard against peers that stall, and are set in seconds; they need no
 //! millisecond precision. Here a sleep is a deadline in its [`CoarseTimer`]'s list, and
@@ -28,6 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use hyper::rt::{Sleep, Timer};
 use slab::Slab;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -166,6 +170,21 @@ impl Drop for Sleepers {
     }
 }
 
+impl Timer for CoarseTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn Sleep>> {
+        Box::pin(self.sleep_at(deadline_after(duration)))
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn Sleep>> {
+        Box::pin(self.sleep_at(Instant::from_std(deadline)))
+    }
+
+    /// tokio's clock, so tests with a paused clock see the same time as the sweeper.
+    fn now(&self) -> std::time::Instant {
+        Instant::now().into_std()
+    }
+}
+
 /// One sleep of a [`CoarseTimer`]: in its list from the first poll that finds it
 /// pending until it ends or is dropped.
 pub struct CoarseSleep {
@@ -237,6 +256,8 @@ impl Drop for CoarseSleep {
     }
 }
 
+impl Sleep for CoarseSleep {}
+
 /// The deadline of a [`CoarseTimer::timeout`] passed first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Elapsed;
@@ -273,11 +294,6 @@ mod tests {
             .expect("the sweeper ended the sleep");
     }
 
-    /// A sleep of `timer` for `duration` from now.
-    fn sleep_for(timer: &CoarseTimer, duration: Duration) -> CoarseSleep {
-        timer.sleep_at(deadline_after(duration))
-    }
-
     /// Polls `future` once with the test task's waker.
     async fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
         std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *future).poll(cx))).await
@@ -310,7 +326,7 @@ mod tests {
         let start = Instant::now();
         let mut ended = Vec::new();
         let sleeps = [250, 40, 1_000].map(|ms| {
-            let sleep = sleep_for(&timer, Duration::from_millis(ms));
+            let sleep = timer.sleep(Duration::from_millis(ms));
             tokio::spawn(async move {
                 ends(sleep).await;
                 (ms, start.elapsed())
@@ -329,12 +345,12 @@ mod tests {
         assert_eq!(timer.pending(), 0);
     }
 
-    /// A sleep dropped before its deadline (a timeout whose future is ready) leaves
+    /// A sleep dropped before its deadline (hyper drops it when the head arrives) leaves
     /// the list at once; a sleep added long after, to the empty list, still ends in time.
     #[tokio::test(start_paused = true)]
     async fn a_dropped_sleep_leaves_the_list_and_a_later_one_still_ends() {
         let timer = CoarseTimer::new(Duration::from_millis(100));
-        let mut sleep = sleep_for(&timer, Duration::from_secs(30));
+        let mut sleep = timer.sleep(Duration::from_secs(30));
         assert!(poll_once(&mut sleep).await.is_pending());
         assert_eq!(timer.pending(), 1);
         drop(sleep);
@@ -343,7 +359,7 @@ mod tests {
         // Long after, with the list empty all along.
         tokio::time::sleep(Duration::from_secs(60)).await;
         let start = Instant::now();
-        ends(sleep_for(&timer, Duration::from_millis(250))).await;
+        ends(timer.sleep(Duration::from_millis(250))).await;
         let elapsed = start.elapsed();
         assert!(
             elapsed >= Duration::from_millis(250) && elapsed <= Duration::from_millis(350),
@@ -365,7 +381,7 @@ mod tests {
         let timer = CoarseTimer::new(Duration::from_secs(1));
         let mut forever = timer.timeout(Duration::MAX, std::future::pending::<()>());
         assert!(poll_once(&mut forever).await.is_pending());
-        let mut sleep = sleep_for(&timer, Duration::MAX);
+        let mut sleep = timer.sleep(Duration::MAX);
         assert!(poll_once(&mut sleep).await.is_pending());
         assert_eq!(timer.pending(), 2);
     }

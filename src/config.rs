@@ -120,8 +120,9 @@ pub struct ProxyConfig {
     pub response_timeout: Dur,
     /// Longest time a client may take to send a request head; it is also how long a
     /// client connection with no request open is kept (HTTP/1.1 keep-alive, and HTTP/2,
-    /// which gets a GOAWAY and is dropped after as long again if still idle). It counts
-    /// from connecting and from the end of the previous response (`server/idle.rs`).
+    /// which gets a GOAWAY and is dropped after as long again if still idle). On HTTP/1
+    /// it is checked every eighth of its value, at most every second, so it fires up to
+    /// that much late (`coarse_timer` says why).
     pub client_header_timeout: Dur,
     /// How long an idle pooled connection to an upstream is kept for reuse.
     pub upstream_idle_timeout: Dur,

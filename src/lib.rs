@@ -8,8 +8,7 @@
 //! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) on one
 //!   thread per core, each with its own socket, and drains them on shutdown; a new
 //!   connection's first request is peeked at and, if its group makes it wait, waits
-//!   there before hyper takes the connection (`server/early.rs`); each connection
-//!   keeps its own `client_header_timeout` (`server/idle.rs`);
+//!   there before hyper takes the connection (`server/early.rs`);
 //! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
 //! * [`proxy`] — builds the tower stack; the one place where layer order is visible;
 //! * [`pushback`] — reads the upstream's answer: 429/`Retry-After` and rate-limit
@@ -28,8 +27,8 @@
 //! TCP stream adapter that sends a small write's buffers with one plain write: under
 //! HTTP/1 client connections, and under every upstream connection, TLS included),
 //! [`coarse_timer`]
-//! (the upstream response timeout, swept once per tick rather than on tokio's timer
-//! wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
+//! (the client header and upstream response timeouts, swept once per tick rather than
+//! on tokio's timer wheel), [`precise_sleep`] (the wait of a queue's head for its slot,
 //! on a kernel timer beside tokio's millisecond one), [`when_woken`] (work polled only
 //! when its own wake-up came: a client connection's shutdown watch, a TLS upstream's
 //! reads), [`metrics`] and [`admin`] (`/metrics`, `/healthz`, `/status` on their own

@@ -6,12 +6,10 @@
 //!
 //! * `sniff` — the first bytes, peeked: the HTTP version, and the first request;
 //! * `early` — that first request waits in its group before hyper is started;
-//! * `idle` — how long a connection has gone without a request (`client_header_timeout`);
 //! * this module — the listening sockets, the serving threads, hyper's connections and
 //!   shutdown.
 
 mod early;
-mod idle;
 mod sniff;
 
 use std::convert::Infallible;
@@ -33,13 +31,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Holding};
 use crate::coalesce::Coalesced;
+use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::{Config, ConfigError, ProxyConfig};
 use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
 use crate::when_woken::WhenWoken;
 
 use early::Ended;
-use idle::Idle;
 use sniff::{sniff_stream, Sniffed};
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
@@ -186,12 +184,14 @@ pub async fn serve(
     settings: &ProxyConfig,
     shutdown: impl Future<Output = ()>,
 ) {
-    // Against slowloris, and the bound on an idle keep-alive connection. Each
-    // connection keeps it itself (`idle`), so hyper's own is turned off (it would
-    // otherwise apply a default of 30 s).
+    // Against slowloris; hyper also applies it while a keep-alive connection is idle.
     let header_timeout = settings.client_header_timeout.0;
+    // Its sweeper ends once the builder and every connection holding the timer are gone.
+    let header_timer = CoarseTimer::new(coarse_timer::tick(header_timeout));
     let mut http1 = http1::Builder::new();
-    http1.header_read_timeout(None);
+    http1
+        .timer(header_timer)
+        .header_read_timeout(header_timeout);
     let mut http2 = http2::Builder::new(TokioExecutor::new());
     http2
         .timer(TokioTimer::new())
@@ -273,8 +273,7 @@ struct Protocols {
     http1: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
     /// `client_header_timeout`: how long a new connection may take to show which
-    /// version it speaks, how long an HTTP/1 connection may take to send each request
-    /// head, and how long an HTTP/2 connection may go without a request.
+    /// version it speaks, and how long an HTTP/2 connection may go without a request.
     header_timeout: Duration,
 }
 
@@ -332,51 +331,31 @@ impl Client {
                 let first_in = ready.registered_again.then(CancellationToken::new);
                 // The outcome of the wait goes with the first request only.
                 let first = std::cell::Cell::new(ready.admission);
-                let idle = Idle::new();
                 let service = {
                     // Taken by the first request: `cancel` (and `is_cancelled`) lock the
                     // token, which the requests after it need not do.
                     let first_in = std::cell::Cell::new(first_in.clone());
-                    let idle = idle.clone();
                     service_fn(move |req| {
-                        // Open from its head's arrival until its response body ends.
-                        let open = Idle::opened(&idle);
                         if let Some(first_in) = first_in.take() {
                             first_in.cancel();
                         }
                         let early = first.take();
                         let answered = proxy.handle(req, local, early);
-                        async move {
-                            let response = answered.await;
-                            Ok::<_, Infallible>(response.map(|b| Holding::new(b, open)))
-                        }
+                        async move { Ok::<_, Infallible>(answered.await) }
                     })
                 };
-                let limit = self.protocols.header_timeout;
-                let stop = async {
-                    let drain = async {
-                        if let Some(first_in) = first_in {
-                            first_in.cancelled().await;
-                        }
-                        drain.cancelled().await
-                    };
-                    tokio::select! {
-                        () = drain => Stop::Finish,
-                        // No request head in time: closed at once, sending nothing, as
-                        // hyper's own header timeout did (told to finish, hyper would
-                        // go on reading a first head it has begun).
-                        () = idle.for_at_least(limit) => {
-                            tracing::debug!(%remote, "no request head within client_header_timeout");
-                            Stop::Close
-                        }
+                let drain = async {
+                    if let Some(first_in) = first_in {
+                        first_in.cancelled().await;
                     }
+                    drain.cancelled().await
                 };
                 let conn = self
                     .protocols
                     .http1
                     .serve_connection(TokioIo::new(Coalesced::new(ready.stream)), service)
                     .with_upgrades();
-                until_closed(conn, |c| c.graceful_shutdown(), stop, &cut).await
+                until_closed(conn, |c| c.graceful_shutdown(), drain, &cut).await
             }
         };
         match ended {
@@ -402,7 +381,7 @@ async fn serve_http2(
     drain: &CancellationToken,
     cut: &CancellationToken,
 ) -> Option<Result<(), hyper::Error>> {
-    let idle = Idle::new();
+    let idle = Arc::new(Idle::new());
     let service = {
         let idle = idle.clone();
         service_fn(move |mut req: Request<Incoming>| {
@@ -422,11 +401,7 @@ async fn serve_http2(
     let conn = protocols.http2.serve_connection(io, service);
     // Its own drain token, so that an idle close does not touch other connections.
     let drain = drain.child_token();
-    let finish = async {
-        drain.cancelled().await;
-        Stop::Finish
-    };
-    let serving = until_closed(conn, |c| c.graceful_shutdown(), finish, cut);
+    let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut);
     let limit = protocols.header_timeout;
     let watch = async {
         idle.for_at_least(limit).await;
@@ -446,21 +421,60 @@ async fn serve_http2(
     }
 }
 
-/// What ends a connection, short of its client closing it.
-enum Stop {
-    /// Finish the request in hand, then close (shutdown, an idle HTTP/2 connection).
-    Finish,
-    /// Close now (an HTTP/1 connection that sent no request head in time).
-    Close,
+/// How many requests are open on one HTTP/2 connection, and since when none has been.
+struct Idle(std::sync::Mutex<(usize, Instant)>);
+
+/// One open request of an [`Idle`]-watched connection; closing it is dropping it.
+struct OpenStream(Arc<Idle>);
+
+impl Idle {
+    fn new() -> Idle {
+        Idle(std::sync::Mutex::new((0, Instant::now())))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Instant)> {
+        // Two plain numbers: valid after any panic of a holder.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn opened(this: &Arc<Idle>) -> OpenStream {
+        this.lock().0 += 1;
+        OpenStream(this.clone())
+    }
+
+    /// Resolves once no request has been open for `limit`.
+    async fn for_at_least(&self, limit: Duration) {
+        loop {
+            let (open, since) = *self.lock();
+            let wake = match open {
+                0 if since.elapsed() >= limit => return,
+                0 => since + limit,
+                // Busy: look again later (it cannot go idle for `limit` sooner).
+                _ => Instant::now() + limit,
+            };
+            tokio::time::sleep_until(wake).await;
+        }
+    }
 }
 
-/// Drives a hyper connection to its end. When `stop` completes first: on
-/// [`Stop::Finish`] starts its graceful shutdown (`shut`) and goes on, on
-/// [`Stop::Close`] drops it; `None` when `cut` closed it.
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.0 -= 1;
+        if state.0 == 0 {
+            state.1 = Instant::now();
+        }
+    }
+}
+
+/// Drives a hyper connection to its end; when `drain` completes first, starts its
+/// graceful shutdown (`shut`) and goes on; `None` when `cut` closed it.
 async fn until_closed<C>(
     conn: C,
     shut: impl FnOnce(Pin<&mut C>),
-    stop: impl Future<Output = Stop>,
+    drain: impl Future<Output = ()>,
     cut: &CancellationToken,
 ) -> Option<Result<(), hyper::Error>>
 where
@@ -472,12 +486,8 @@ where
         // read anything, so its first poll must read a request that is already there.
         biased;
         ended = conn.as_mut() => return Some(ended),
-        // Polled only when shutdown or its timer wakes it, not at every wake of the
-        // connection.
-        stop = WhenWoken::new(stop) => match stop {
-            Stop::Finish => shut(conn.as_mut()),
-            Stop::Close => return Some(Ok(())),
-        },
+        // Polled only when shutdown wakes it, not at every wake of the connection.
+        () = WhenWoken::new(drain) => shut(conn.as_mut()),
     }
     tokio::select! {
         ended = conn => Some(ended),
