@@ -7,7 +7,9 @@
 //!   covers rated and contended groups);
 //! * `headers/request` and `headers/response` — hop-by-hop stripping, `Via` and `Host`
 //!   on a typical forward-proxy request, and on a typical upstream response;
-//! * `classify/forward` — classifying an absolute-form request.
+//! * `classify/forward` — classifying an absolute-form request;
+//! * `classify/route` — classifying an origin-form request to a `[[route]]`, its URI
+//!   rewritten to the upstream's (the gateway mode).
 //!
 //! `cargo bench --bench hotpath`; `cargo bench --bench hotpath -- --test` runs each once.
 
@@ -112,6 +114,21 @@ fn classify(c: &mut Criterion) {
                 Request::builder()
                     .method(Method::GET)
                     .uri("http://127.0.0.1:18080/")
+                    .body(())
+                    .unwrap()
+            },
+            |req| black_box(classifier.classify(req, local).unwrap()),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let routes = "[[route]]\nprefix = \"/gh/\"\nupstream = \"https://api.github.com/v3\"\n";
+    let classifier = Classifier::new(&Config::parse(routes, "bench").unwrap());
+    c.bench_function("classify/route", |b| {
+        b.iter_batched_ref(
+            || {
+                Request::builder()
+                    .method(Method::GET)
+                    .uri("/gh/repos/tollgate/issues?state=open")
                     .body(())
                     .unwrap()
             },
