@@ -1,7 +1,9 @@
 //! The two `[proxy]` timeouts that bound idle connections: `client_header_timeout`
 //! (clients that connect and then send no request head, or only part of one, are
 //! disconnected) and `upstream_idle_timeout` (pooled upstream connections are dropped
-//! once idle that long, and reused before).
+//! once idle that long, and reused before). And what `client_header_timeout` must not
+//! cut: a slow download or upload, an upload still going after an early answer, an
+//! idle tunnel.
 //!
 //! Nothing here asserts how fast a timeout fires beyond generous upper bounds that only
 //! keep a broken proxy from hanging the suite; what is asserted is what happened: the
@@ -307,4 +309,298 @@ async fn http2_requests_slower_than_client_header_timeout_are_answered() {
     let paths = upstream.paths();
     assert_eq!(paths, ["/one", "/two"]);
     proxy.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------
+// What `client_header_timeout` must leave alone on HTTP/1: it bounds the wait for a
+// request head, never a message already under way, in either direction, nor a tunnel.
+// Each test runs within `BOUND`, so that a proxy that stops answering fails them
+// instead of hanging the suite.
+// ---------------------------------------------------------------------------------
+
+/// How long the upload and tunnel tests below stall: far longer than [`SHORT`], so a
+/// header timeout running meanwhile would fire during it.
+const STALL: Duration = Duration::from_secs(1);
+
+/// How long the download test's reader stalls each time: longer than [`SHORT`] and the
+/// coarse timer's tick after it (`coarse_timer::tick`: 37.5 ms), so that a timeout
+/// started as a stall begins fires before it ends.
+const READ_STALL: Duration = Duration::from_millis(400);
+
+/// The download. With the default `tcp_wmem` (at most 4 MiB of send buffer) and a
+/// client's receive buffer of 16 KiB (32 KiB once the kernel doubles it), the kernel
+/// cannot hold it: while the client stalls, the proxy is still writing.
+const DOWNLOAD: u64 = 16 << 20;
+
+/// Where the reader stalls: every 256 KiB of the last 5 MiB, the stretch where the
+/// proxy may hold the end of the body with nothing more to read from the upstream
+/// (see [`read_body_with_stalls`]).
+const STALLS_FROM: u64 = 5 << 20;
+const STALL_EVERY: u64 = 256 << 10;
+
+/// Runs `test` within [`BOUND`].
+async fn bounded<F: std::future::Future>(what: &str, test: F) -> F::Output {
+    tokio::time::timeout(BOUND, test)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not done within {BOUND:?}"))
+}
+
+/// Connects to `proxy` with a small receive buffer (see [`DOWNLOAD`]).
+async fn connect_slow_reader(proxy: &Proxy) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(16 * 1024).expect("SO_RCVBUF");
+    socket.connect(proxy.addr).await.expect("connect")
+}
+
+/// Reads `len` body bytes (`first` already read) into a digest, stalling for
+/// [`READ_STALL`] every [`STALL_EVERY`] bytes of the last [`STALLS_FROM`]; panics if the
+/// connection closes before the last byte.
+///
+/// The stalls are for the moment near the end when the proxy has the whole body from
+/// the upstream but is still writing its last few hundred KiB (hyper's write buffer),
+/// which falls wherever the kernel's buffers put it. A header timeout started when the
+/// body ended, rather than once hyper has flushed the response and reads for the next
+/// head, cut the response there: the version tried in the eleventh session (295b625)
+/// lost the last ≈ 350 KiB of the keep-alive download in each of 3 runs.
+async fn read_body_with_stalls(stream: &mut TcpStream, first: Vec<u8>, len: u64) -> Digest {
+    let mut hasher = Hasher::default();
+    hasher.update(&first);
+    let mut got = first.len() as u64;
+    let mut stalls = 0;
+    let mut chunk = vec![0u8; 16 * 1024];
+    while got < len {
+        let want = chunk.len().min((len - got) as usize);
+        let n = stream.read(&mut chunk[..want]).await.expect("read body");
+        assert!(
+            n > 0,
+            "the proxy closed the download after {got} of {len} bytes"
+        );
+        hasher.update(&chunk[..n]);
+        let before = len - got;
+        got += n as u64;
+        let left = len - got;
+        if left > 0 && left < STALLS_FROM && before / STALL_EVERY != left / STALL_EVERY {
+            stalls += 1;
+            tokio::time::sleep(READ_STALL).await;
+        }
+    }
+    assert!(stalls >= STALLS_FROM / STALL_EVERY - 1, "{stalls} stalls");
+    hasher.finish()
+}
+
+/// Writes bytes `from..to` of [`pattern`] to `stream`.
+async fn write_pattern(stream: &mut TcpStream, from: usize, to: usize) -> std::io::Result<()> {
+    let mut offset = from;
+    while offset < to {
+        let piece = (to - offset).min(64 * 1024);
+        stream.write_all(&pattern(offset as u64, piece)).await?;
+        offset += piece;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn client_header_timeout_leaves_a_slow_download_alone() {
+    let upstream = Upstream::start_bulk().await;
+    let proxy = start_proxy(&format!("[proxy]\nclient_header_timeout = \"{SHORT}\"\n")).await;
+    for connection in ["keep-alive", "close"] {
+        bounded(connection, async {
+            let mut stream = connect_slow_reader(&proxy).await;
+            let request = format!(
+                "GET {} HTTP/1.1\r\nHost: {}\r\nConnection: {connection}\r\n\r\n",
+                upstream.url(&format!("/bytes/{DOWNLOAD}")),
+                upstream.authority()
+            );
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let (head, first) = read_response_head(&mut stream).await;
+            assert_eq!(head.status, 200, "{connection}");
+            assert_eq!(
+                head.content_length(),
+                Some(DOWNLOAD as usize),
+                "{connection}"
+            );
+            let digest = read_body_with_stalls(&mut stream, first, DOWNLOAD).await;
+            assert_eq!(
+                digest,
+                pattern_digest(DOWNLOAD),
+                "{connection}: the body arrived changed"
+            );
+            if connection == "close" {
+                // Nothing after the body, then the close the client asked for.
+                let rest = read_until_closed(&mut stream, "Connection: close download").await;
+                assert!(rest.is_empty(), "bytes after the body: {}", rest.len());
+            }
+        })
+        .await;
+    }
+    assert_eq!(upstream.requests().len(), 2);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_header_timeout_leaves_a_slow_upload_alone() {
+    // One body small enough to be read whole before it is sent (replayable after a
+    // push-back; `max_replay_body` is 1 MiB), and one that streams through.
+    let upstream = Upstream::start_bulk().await;
+    let proxy = start_proxy(&format!("[proxy]\nclient_header_timeout = \"{SHORT}\"\n")).await;
+    for len in [256 * 1024, 3 << 20] {
+        let what = format!("{len}-byte upload");
+        bounded(&what, async {
+            let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+            let head = format!(
+                "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n\r\n",
+                upstream.url("/upload"),
+                upstream.authority()
+            );
+            stream.write_all(head.as_bytes()).await.expect("write head");
+            // The body in three parts, with a stall before each of the last two.
+            let cuts = [0, len / 3, 2 * len / 3, len];
+            for (i, part) in cuts.windows(2).enumerate() {
+                if i > 0 {
+                    tokio::time::sleep(STALL).await;
+                }
+                write_pattern(&mut stream, part[0], part[1])
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: write after {} failed: {e}", part[0]));
+            }
+            let response = read_response(&mut stream).await;
+            let expected = pattern_digest(len as u64);
+            assert_eq!(response.status, 200, "{what}: {}", response.text());
+            assert_eq!(
+                response.text(),
+                format!("{} {}", expected.len, expected.hash),
+                "{what}: the upstream received something else"
+            );
+        })
+        .await;
+    }
+    assert_eq!(
+        upstream.uploads(),
+        vec![pattern_digest(256 * 1024), pattern_digest(3 << 20)]
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_header_timeout_leaves_an_upload_answered_early_alone() {
+    // An upstream may answer before it has read the request body (an error it could
+    // tell from the head, say) and go on reading. The exchange with the client is not
+    // over until its upload is: a client still sending after the answer is not idle.
+    // A body over `max_replay_body` (1 MiB) streams through, so the answer can come
+    // back while the client still sends; the client waits for it half-way.
+    const LEN: usize = 3 << 20;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let upstream = listener.local_addr().expect("upstream address");
+    let received = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.expect("accept");
+        let (_head, first) = read_head(&mut conn).await;
+        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nearly")
+            .await
+            .expect("write the early answer");
+        let mut hasher = Hasher::default();
+        hasher.update(&first);
+        let mut got = first.len();
+        let mut chunk = vec![0u8; 64 * 1024];
+        while got < LEN {
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    hasher.update(&chunk[..n]);
+                    got += n;
+                }
+            }
+        }
+        hasher.finish()
+    });
+    let proxy = start_proxy(&format!("[proxy]\nclient_header_timeout = \"{SHORT}\"\n")).await;
+    bounded("upload answered early", async {
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        let head = format!(
+            "POST http://{upstream}/upload HTTP/1.1\r\nHost: {upstream}\r\nContent-Length: {LEN}\r\n\r\n"
+        );
+        stream.write_all(head.as_bytes()).await.expect("write head");
+        write_pattern(&mut stream, 0, LEN / 2)
+            .await
+            .expect("first half");
+        let response = read_response(&mut stream).await;
+        assert_eq!(response.status, 200);
+        assert_eq!(response.text(), "early");
+
+        // Answered, but half the body is still to come: a stall now is not an idle
+        // keep-alive connection.
+        tokio::time::sleep(STALL).await;
+        write_pattern(&mut stream, LEN / 2, LEN)
+            .await
+            .expect("the proxy closed the connection while the client was still uploading");
+        let digest = received.await.expect("upstream task");
+        assert_eq!(digest, pattern_digest(LEN as u64), "the upstream got another body");
+    })
+    .await;
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_header_timeout_leaves_an_idle_http1_tunnel_alone() {
+    // After its `200`, a CONNECT's connection carries the tunnel's bytes, not requests:
+    // a tunnel idle for longer than the timeout stays open.
+    let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
+    let proxy = start_proxy(&format!(
+        "[proxy]\nconnect_ports = [\"*\"]\nclient_header_timeout = \"{SHORT}\"\n"
+    ))
+    .await;
+    bounded("idle tunnel", async {
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        let authority = upstream.authority();
+        let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+        stream.write_all(connect.as_bytes()).await.expect("write");
+        let (answer, rest) = read_response_head(&mut stream).await;
+        assert_eq!(answer.status, 200);
+        assert!(rest.is_empty(), "bytes after the CONNECT answer: {rest:?}");
+
+        tokio::time::sleep(STALL).await;
+        let request = format!("GET /after-idle HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .expect("the tunnel was closed while idle");
+        let response = read_response(&mut stream).await;
+        assert_eq!(response.status, 200);
+        assert_eq!(response.text(), "saw /after-idle");
+        assert_eq!(upstream.paths(), ["/after-idle"]);
+        // The client closes it, as tunnels end, so that shutdown need not wait for it.
+    })
+    .await;
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_header_timeout_closes_a_half_read_head_during_shutdown() {
+    // Shutdown lets requests in hand finish, for up to `shutdown_grace`. A request head
+    // hyper has begun to read and never gets the end of is not one: hyper's header
+    // timeout closes it as at any other time, and shutdown does not wait the hour.
+    // Over 8 KiB in one write, so that the proxy hands the connection to hyper at once
+    // instead of peeking for the rest of the head first (`server/sniff.rs`,
+    // `MAX_PEEKED`), which would not reach hyper's timeout.
+    let upstream = Upstream::start(|_| Reply::ok("fine")).await;
+    let mut proxy = start_proxy(&format!(
+        "[proxy]\nclient_header_timeout = \"{SHORT}\"\nshutdown_grace = \"1h\"\n"
+    ))
+    .await;
+    let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let half = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\nX-Filler: {}\r\n",
+        upstream.url("/half"),
+        upstream.authority(),
+        "x".repeat(9000)
+    );
+    stream.write_all(half.as_bytes()).await.expect("write");
+    // Once the proxy has the bytes (it answers nothing yet), shut down.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.begin_shutdown();
+    let got = read_until_closed(&mut stream, "half-read head during shutdown").await;
+    assert_no_response_or_client_error(&got, "half-read head during shutdown");
+    proxy.shutdown().await;
+    assert!(upstream.requests().is_empty(), "{:?}", upstream.requests());
 }

@@ -1036,6 +1036,11 @@ impl CurlOutput {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
+
+    /// Its `Content-Length`, if it has a valid one.
+    pub fn content_length(&self) -> Option<usize> {
+        self.header("content-length").and_then(|v| v.parse().ok())
+    }
 }
 
 /// Runs `curl -q -sS -D <file> <args>` with a proxy-free environment plus `env`, bounded
@@ -1165,6 +1170,11 @@ impl RawResponse {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
+
+    /// Its `Content-Length`, if it has a valid one.
+    pub fn content_length(&self) -> Option<usize> {
+        self.header("content-length").and_then(|v| v.parse().ok())
+    }
 }
 
 /// Writes `request` verbatim to `addr` and reads one response; for requests no real
@@ -1179,37 +1189,29 @@ pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> RawResponse {
     .expect("response within the bound")
 }
 
-/// Reads one response from `stream`, which stays open for the next request (when the
-/// response has a `Content-Length`; without one, the body runs to the close). Bytes
-/// read past the response are lost: not for pipelined requests.
-pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
+/// Reads from `stream` to the end of a message head (its blank line); returns the head
+/// and the bytes read past it (the start of the body, if any).
+pub async fn read_head(stream: &mut TcpStream) -> (Vec<u8>, Vec<u8>) {
     let mut buf = Vec::new();
-    let head_end = loop {
+    let end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i + 4;
         }
         let mut chunk = [0u8; 4096];
-        let n = stream.read(&mut chunk).await.expect("read response");
-        assert!(n > 0, "connection closed before a response head: {buf:?}");
+        let n = stream.read(&mut chunk).await.expect("read a head");
+        assert!(n > 0, "connection closed before a whole head: {buf:?}");
         buf.extend_from_slice(&chunk[..n]);
     };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .expect("status line");
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let mut body = buf[head_end..].to_vec();
-    let length = headers
-        .iter()
-        .find(|(n, _)| n == "content-length")
-        .and_then(|(_, v)| v.parse::<usize>().ok());
-    match length {
+    let rest = buf.split_off(end);
+    (buf, rest)
+}
+
+/// Reads one response from `stream`, which stays open for the next request (when the
+/// response has a `Content-Length`; without one, the body runs to the close). Bytes
+/// read past the response are lost: not for pipelined requests.
+pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
+    let (mut response, mut body) = read_response_head(stream).await;
+    match response.content_length() {
         Some(len) => {
             while body.len() < len {
                 let mut chunk = [0u8; 4096];
@@ -1223,11 +1225,31 @@ pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
             let _ = stream.read_to_end(&mut body).await;
         }
     }
-    RawResponse {
+    response.body = body;
+    response
+}
+
+/// Reads a response head from `stream`: the response with its status and headers and an
+/// empty body, and the bytes read past the head.
+pub async fn read_response_head(stream: &mut TcpStream) -> (RawResponse, Vec<u8>) {
+    let (head, rest) = read_head(stream).await;
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let response = RawResponse {
         status,
         headers,
-        body,
-    }
+        body: Vec::new(),
+    };
+    (response, rest)
 }
 
 /// Waits until `group`'s queue (waiting requests and the one at its head) holds `n`,
