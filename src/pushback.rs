@@ -255,17 +255,22 @@ impl Replayable {
 /// Replaces the URI and header values of `parts` by copies that share no memory with
 /// the buffer they were parsed from (see [`Replayable::detach_from_connection`]).
 fn own_head(parts: &mut http::request::Parts) {
-    let original = parts.uri.clone();
-    let mut uri = std::mem::take(&mut parts.uri).into_parts();
+    let uri = &parts.uri;
+    let mut copy = http::uri::Parts::default();
+    copy.scheme = uri.scheme().cloned();
     // `try_from(&str)` copies; the values were valid, so it cannot fail in practice,
-    // and if it did the shared original would simply stay.
-    uri.authority = uri
-        .authority
-        .map(|a| Authority::try_from(a.as_str()).unwrap_or(a));
-    uri.path_and_query = uri
-        .path_and_query
-        .map(|p| PathAndQuery::try_from(p.as_str()).unwrap_or(p));
-    parts.uri = Uri::from_parts(uri).unwrap_or(original);
+    // and if it did the shared part would simply stay.
+    copy.authority = uri
+        .authority()
+        .map(|a| Authority::try_from(a.as_str()).unwrap_or_else(|_| a.clone()));
+    copy.path_and_query = uri
+        .path_and_query()
+        .map(|p| PathAndQuery::try_from(p.as_str()).unwrap_or_else(|_| p.clone()));
+    // Built beside the original, which stays if this ever failed: no copy of it is
+    // kept just in case.
+    if let Ok(copy) = Uri::from_parts(copy) {
+        parts.uri = copy;
+    }
     for value in parts.headers.values_mut() {
         if let Ok(mut copy) = HeaderValue::from_bytes(value.as_bytes()) {
             copy.set_sensitive(value.is_sensitive());

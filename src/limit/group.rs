@@ -18,6 +18,7 @@
 //! permit comes back but its slot is spent, as for any request that goes after
 //! admission.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -514,9 +515,13 @@ impl Group {
                 ready = ready.max(pause);
                 continue;
             }
+            // Whether this pass awaited anything after looking at the pause: the shared
+            // store's booking is a round trip, during which a pause may begin here.
+            let mut awaited = false;
             if !booked {
                 let (at, is_booking) = self.pace(cost, now).await?;
                 booked = is_booking;
+                awaited = self.shared.is_some();
                 // Against the clock now, not `now`: a booking in the shared store is a
                 // round trip, and its "leave at once" comes back as the time the answer
                 // arrived, after `now`. Compared with `now`, every booking slept on
@@ -531,19 +536,27 @@ impl Group {
                     continue;
                 }
             }
-            let Some(held) = permit.take() else {
-                // Waiting for a permit can take long (slow upstream); a pause may have
-                // begun meanwhile, so look again before leaving. Time spent waiting for
-                // one is not the rate's: the request is only ready once it has one.
-                permit = Some(match self.try_acquire_local() {
-                    Some(held) => held,
-                    None => {
-                        let held = self.acquire().await?;
-                        ready = ready.max(Instant::now());
-                        held
+            let held = match permit.take() {
+                Some(held) => held,
+                None => match self.try_acquire_local() {
+                    // Free at once, and nothing awaited since the pause and the rate were
+                    // looked at: leave now. (Looking at them once more cost two locks and
+                    // a clock read per queued request.)
+                    Some(held) if !awaited => held,
+                    Some(held) => {
+                        permit = Some(held);
+                        continue;
                     }
-                });
-                continue;
+                    None => {
+                        // Waiting for a permit can take long (slow upstream); a pause may
+                        // have begun meanwhile, so look again before leaving. Time spent
+                        // waiting for one is not the rate's: the request is only ready
+                        // once it has one.
+                        permit = Some(self.acquire().await?);
+                        ready = ready.max(Instant::now());
+                        continue;
+                    }
+                },
             };
             let mut state = self.lock();
             if state
@@ -568,7 +581,8 @@ impl Group {
                 // 1/(T + lateness) (850/s at a configured 10 000/s). The credit is
                 // capped at `SLOT_CREDIT`, so a stalled process catches up in a burst of
                 // at most that much time's worth of requests.
-                let rates = self.local_rates(&state);
+                // Owned: the departure below changes the state the rates live in.
+                let rates = self.local_rates(&state).into_owned();
                 let since_now = now - self.epoch;
                 let since_ready = ready.saturating_duration_since(self.epoch);
                 let slot = gcra::earliest_all(&rates, &state.tats, since_ready)
@@ -648,14 +662,15 @@ impl Group {
     }
 
     /// The rates enforced in this process: the group's own, or with the shared store
-    /// down, this replica's share of them (rate / replicas).
-    fn local_rates(&self, state: &State) -> Vec<Gcra> {
+    /// down, this replica's share of them (rate / replicas). Borrowed unless scaled: the
+    /// head of a queue asks for every request.
+    fn local_rates<'s>(&self, state: &'s State) -> Cow<'s, [Gcra]> {
         match &self.shared {
             Some(shared) if !shared.is_up() => {
                 let share = 1.0 / f64::from(shared.replicas());
-                state.rates.iter().map(|r| r.scaled(share)).collect()
+                Cow::Owned(state.rates.iter().map(|r| r.scaled(share)).collect())
             }
-            _ => state.rates.clone(),
+            _ => Cow::Borrowed(&state.rates),
         }
     }
 
