@@ -92,6 +92,18 @@ impl Key {
         })
     }
 
+    /// This key with an authority of its own, for keeping. A request's authority is a
+    /// slice of the buffer its head was read into (hyper's read buffer, or the copy a
+    /// waiting request makes of its head, header values and all): a key kept by the pool
+    /// or a connection's task would hold that whole buffer as long as the connection.
+    fn owned(&self) -> Key {
+        Key {
+            https: self.https,
+            authority: Authority::try_from(self.authority.as_str())
+                .unwrap_or_else(|_| self.authority.clone()),
+        }
+    }
+
     /// The URI the connector dials.
     fn uri(&self) -> Uri {
         let scheme = if self.https {
@@ -259,6 +271,8 @@ impl Inner {
 
     /// Opens a connection to `key` (TLS and HTTP/2 by ALPN for https).
     async fn connect(self: &Arc<Self>, key: &Key) -> Result<Conn, BoxError> {
+        // Once per new connection, so the copy costs nothing that matters.
+        let key = &key.owned();
         let mut connector = self.connector.clone();
         let io = connector.call(key.uri()).await?;
         let conn = if io.connected().is_negotiated_h2() {
@@ -471,5 +485,26 @@ mod tests {
         assert_eq!(pool.get(&key(true, "api.EXAMPLE:443")), Some(&1));
         assert_eq!(pool.get(&key(false, "api.example:443")), None);
         assert_eq!(pool.get(&key(true, "api.example:8443")), None);
+    }
+
+    #[test]
+    fn a_kept_key_holds_none_of_the_request_s_buffer() {
+        // What a request's URI is made of: a slice of the buffer its head was read into.
+        let buffer = bytes::Bytes::from_static(b"http://api.example:8443/v1 Bearer secret");
+        let uri = Uri::from_maybe_shared(buffer.slice(0..26)).unwrap();
+        let key = Key::of(&uri).unwrap();
+        let inside = |k: &Key| {
+            buffer
+                .as_ptr_range()
+                .contains(&k.authority.as_str().as_ptr())
+        };
+        assert!(
+            inside(&key),
+            "the test's premise: a request's key is a slice"
+        );
+        let kept = key.owned();
+        assert!(!inside(&kept));
+        assert_eq!(kept, key);
+        assert!(!kept.https);
     }
 }
