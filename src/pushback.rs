@@ -451,11 +451,13 @@ mod tests {
                 .body(())
                 .unwrap()
                 .into_parts();
-            let before: Vec<(String, String)> = parts
-                .headers
-                .iter()
-                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
-                .collect();
+            let listed = |headers: &HeaderMap| -> Vec<(String, String)> {
+                headers
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+                    .collect()
+            };
+            let before = listed(&parts.headers);
 
             own_head(&mut parts);
 
@@ -468,12 +470,7 @@ mod tests {
             if let Some(path) = parts.uri.path_and_query() {
                 assert!(!inside(path.as_str().as_ptr()));
             }
-            let after: Vec<(String, String)> = parts
-                .headers
-                .iter()
-                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
-                .collect();
-            assert_eq!(after, before);
+            assert_eq!(listed(&parts.headers), before);
             assert!(parts
                 .headers
                 .values()
