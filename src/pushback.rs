@@ -123,7 +123,7 @@ where
         let mut inner = self.inner.clone();
         if exchange.req.method() == Method::CONNECT {
             // A tunnel has no HTTP answer to read.
-            if exchange.early.is_none() && exchange.routed.group.would_wait() {
+            if exchange.early.is_none() && worth_detaching(&exchange.routed.group) {
                 exchange.req = with_own_head(exchange.req);
             }
             return inner.call(exchange);
@@ -145,12 +145,32 @@ where
                     ProxyError::BadRequest(format!("reading the request body failed: {e}"))
                 })?;
             let mut request = Replayable::new(parts, body, routed, early);
-            if !admitted && group.would_wait() {
+            if !admitted && worth_detaching(&group) {
                 request.detach_from_connection();
             }
             send(&mut inner, &mut request, &group, arrived).await
         })
     }
+}
+
+/// A request joining a queue of at least this many is copied out of its client
+/// connection's read buffer first ([`Replayable::detach_from_connection`]).
+///
+/// Why not every request that waits: the copy costs 1.7–2.5k instructions per queued
+/// request, 4–6 % of its cost with a `Host` header alone and more with more headers
+/// (callgrind; BENCHMARKS.md, "Thirteenth session"), and what it saves is memory, which
+/// only counts when many wait: ≈ 4 KiB resident per waiting request on an HTTP/1
+/// connection (of the 8 KiB buffer hyper must then allocate anew). A request that joins
+/// a shorter queue keeps the buffer, so in each group no more than this many waiting
+/// requests do (≈ 0.5 MiB), plus the retries waiting out a push-back that did not need
+/// a copy when they were first sent. A deep queue, the case the copy is for, is copied
+/// as before.
+const DETACH_BEHIND: usize = 128;
+
+/// Whether a request about to queue in `group` should copy its head out of the client
+/// connection's buffer first: when it would wait behind [`DETACH_BEHIND`] others or more.
+fn worth_detaching(group: &Group) -> bool {
+    group.queued_at_least(DETACH_BEHIND)
 }
 
 /// A request that may have to be sent more than once.
@@ -197,8 +217,10 @@ impl Replayable {
     /// connection's 8 KiB read buffer, and so is a small body. While any of them lives,
     /// hyper must allocate a second buffer for its next read, so a request waiting in a
     /// queue would hold two. Copying the few hundred bytes that matter lets the first one
-    /// go: ≈ 8 KiB less per waiting request (BENCHMARKS.md, "Queue memory"). A request
-    /// that leaves at once skips the copies.
+    /// go: ≈ 8 KiB less allocated per waiting request, ≈ 4 KiB less resident
+    /// (BENCHMARKS.md, "Queue memory"). A request that leaves at once, or waits in a short
+    /// queue ([`DETACH_BEHIND`]), skips the copies. Copying twice is harmless: the second
+    /// copy only copies the first.
     fn detach_from_connection(&mut self) {
         match &mut self.message {
             Message::Buffered(parts, bytes) => {
@@ -358,6 +380,11 @@ where
             tracing::debug!(group = %group.name, attempt, "retrying after push-back");
             // Dropping the response frees its concurrency permit before the retry queues.
             drop(response);
+            // It waits out the pause at the front of the queue: copied, if the queue
+            // behind which it was sent has grown deep meanwhile.
+            if worth_detaching(group) {
+                request.detach_from_connection();
+            }
             continue;
         }
         group.metrics.passed_through.inc();

@@ -640,3 +640,108 @@ async fn a_head_hyper_refuses_does_not_take_a_slot() {
     let paths = upstream.paths();
     assert_eq!(paths, ["/first"]);
 }
+
+/// A request that waits behind many others has its head and body copied out of its
+/// connection's read buffer before it queues (`pushback.rs`, `DETACH_BEHIND`, 128); one
+/// in a shorter queue keeps them where hyper parsed them. 160 requests on kept-alive
+/// connections queue behind one that holds the group's only permit, so the first 128
+/// take one path and the rest the other: every one must reach the upstream whole and in
+/// order, its repeated headers and its `Authorization` included. (Which path a request
+/// took is not visible from outside; a copy that lost or mixed up a value is.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_queued_deep_arrive_whole_and_in_order() {
+    use tokio::io::AsyncWriteExt;
+    const QUEUED: usize = 160;
+    // The holder's download waits at the bulk upstream's gate, and with it the permit.
+    let holder = Upstream::start_bulk().await;
+    let upstream = Upstream::start_at([127, 0, 0, 2].into(), |seen| {
+        Reply::ok(format!("got {}", seen.path))
+    })
+    .await;
+    let proxy = start_proxy_on_threads(
+        r#"
+        [proxy]
+        client_header_timeout = "1h"
+        [[limit]]
+        name = "one-at-a-time"
+        hosts = ["127.0.0.1", "127.0.0.2"]
+        concurrency = 1
+        queue = 1000
+        max_wait = "1h"
+        "#,
+        2,
+    )
+    .await;
+    let authority = upstream.authority();
+    // Each connection's first request is answered first: a later request on a
+    // connection is the kind that queues after hyper has parsed it.
+    let mut conns = Vec::new();
+    for _ in 0..QUEUED {
+        let warm = format!("GET http://{authority}/warm HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+        let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        conn.write_all(warm.as_bytes()).await.unwrap();
+        let warmed = tokio::time::timeout(BOUND, read_response(&mut conn)).await;
+        assert_eq!(warmed.expect("warm-up answered").status, 200);
+        conns.push(conn);
+    }
+    let mut holding = reqwest_via(&proxy, None)
+        .get(holder.url("/bytes/100000?hold=1000"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(holding.status(), 200);
+    assert!(
+        holding.chunk().await.unwrap().is_some(),
+        "the held body began"
+    );
+
+    for (i, conn) in conns.iter_mut().enumerate() {
+        let body = format!("body-{i}");
+        let request = format!(
+            "POST http://{authority}/q/{i} HTTP/1.1\r\nHost: {authority}\r\n\
+             Authorization: Bearer token-{i}\r\nAccept: text/plain\r\n\
+             Accept: application/json;n={i}\r\nX-N: {i}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        conn.write_all(request.as_bytes()).await.unwrap();
+        // Joined before the next is sent, so the queue's order is this loop's.
+        wait_queued(&proxy, "one-at-a-time", i + 1).await;
+    }
+    holder.release();
+    while holding.chunk().await.unwrap().is_some() {}
+    for (i, conn) in conns.iter_mut().enumerate() {
+        let response = tokio::time::timeout(BOUND, read_response(conn))
+            .await
+            .unwrap_or_else(|_| panic!("request {i} unanswered"));
+        assert_eq!(response.status, 200);
+        assert_eq!(
+            String::from_utf8_lossy(&response.body),
+            format!("got /q/{i}")
+        );
+    }
+
+    let seen: Vec<_> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.path != "/warm")
+        .collect();
+    assert_eq!(
+        seen.len(),
+        QUEUED,
+        "each queued request reached the upstream once"
+    );
+    for (i, s) in seen.iter().enumerate() {
+        assert_eq!(
+            s.path,
+            format!("/q/{i}"),
+            "the upstream's order is the queue's"
+        );
+        let bearer = format!("Bearer token-{i}");
+        assert_eq!(s.header("authorization"), Some(bearer.as_str()));
+        assert_eq!(s.header("x-n"), Some(i.to_string().as_str()));
+        let accept: Vec<_> = s.headers.get_all("accept").iter().collect();
+        let json = format!("application/json;n={i}");
+        assert_eq!(accept, ["text/plain", json.as_str()], "request {i}");
+        assert_eq!(s.body, format!("body-{i}"));
+    }
+}

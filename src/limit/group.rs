@@ -444,12 +444,20 @@ impl Group {
     }
 
     /// Whether a request arriving now would have to wait (a hint: it may change before
-    /// the request asks). Used to decide whether a request is worth making compact before
-    /// it queues.
+    /// the request asks). Used to decide whether a new connection's first request waits
+    /// before hyper reads it (`server::early`).
     pub fn would_wait(&self) -> bool {
         self.shared.is_some()
             || self.permits.available_permits() == 0
             || !self.may_leave_at_once(&self.lock(), Instant::now())
+    }
+
+    /// Whether at least `depth` requests are queued, as `/status` and
+    /// `tollgate_queue_depth` count them (admitted to the queue and not yet gone from
+    /// it): a request arriving now would wait behind them. A hint, as
+    /// [`Group::would_wait`].
+    pub fn queued_at_least(&self, depth: usize) -> bool {
+        self.lock().queued >= depth
     }
 
     /// Joins the queue (or takes the turn at once when nobody is ahead).
@@ -979,6 +987,31 @@ mod tests {
         let out = run(&g, 5, Duration::ZERO).await;
         assert_eq!(out, [(0, 0), (1, 100), (2, 200), (3, 300), (4, 400)]);
         assert_eq!(g.status().queued, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn queued_at_least_counts_the_requests_that_joined_and_have_not_gone() {
+        let g = group("unlimited", |s| s.concurrency = 1);
+        let now = Instant::now();
+        let far = now + Duration::from_secs(60);
+        let held = g.admit(1, now, far, false).await.unwrap();
+        assert!(
+            g.queued_at_least(0) && !g.queued_at_least(1),
+            "left at once"
+        );
+        let waiting: Vec<_> = (0..3)
+            .map(|_| {
+                let g = g.clone();
+                tokio::spawn(async move { g.admit(1, now, far, false).await.map(drop) })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        assert!(g.queued_at_least(3) && !g.queued_at_least(4));
+        drop(held);
+        for w in waiting {
+            w.await.unwrap().unwrap();
+        }
+        assert!(!g.queued_at_least(1), "all gone");
     }
 
     #[tokio::test(start_paused = true)]
