@@ -230,10 +230,22 @@ impl Group {
         if let Some(permit) = self.admit_now(cost, arrived) {
             return Ok(permit);
         }
+        self.join_queue(cost, arrived, deadline, front).await
+    }
+
+    /// The second half of [`Group::admit`]: joins the queue and waits there, without
+    /// trying [`Group::admit_now`] first. For a caller that has just tried it (the
+    /// throttle): trying again would cost a lock and a clock read per queued request.
+    pub async fn join_queue(
+        self: &Arc<Self>,
+        cost: u32,
+        arrived: Instant,
+        deadline: Instant,
+        front: bool,
+    ) -> Result<Permit, Refusal> {
         // Boxed: the wait (a place in line, a timer, the shared store's round trip) is
-        // most of this future, and inline it would size the future of every caller, the
-        // throttle's included, which is boxed and moved for every request, also for the
-        // many that leave at once.
+        // most of this future, and inline it would take its callers' futures past the
+        // allocator's small sizes (`proxy.rs` tests that the throttle's stays within).
         Box::pin(self.wait_in_line_to_leave(cost, arrived, deadline, front)).await
     }
 

@@ -156,15 +156,19 @@ where
             }
             None => {
                 let mut inner = self.inner.clone();
-                // `admit` tries the fast path once more (the group may have changed since,
-                // and a request that waits can spare a lock), then waits in line.
+                // A tunnel tries the fast path first (`admit`); any other request has
+                // just tried it, above, and joins the queue straight away.
                 Box::pin(async move {
                     let group = exchange.routed.group.clone();
                     let deadline = arrived + group.settings.max_wait;
-                    let permit = group
-                        .admit(cost, arrived, deadline, exchange.retrying)
-                        .await
-                        .map_err(|refusal| ProxyError::refused(&group, refusal))?;
+                    let front = exchange.retrying;
+                    let admitted = if connect {
+                        group.admit(cost, arrived, deadline, front).await
+                    } else {
+                        group.join_queue(cost, arrived, deadline, front).await
+                    };
+                    let permit =
+                        admitted.map_err(|refusal| ProxyError::refused(&group, refusal))?;
                     inner.call(with_permit(exchange, permit)).await
                 })
             }
