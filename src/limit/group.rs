@@ -265,8 +265,8 @@ impl Group {
         Some(permit)
     }
 
-    /// [`Group::admit`] for a request that cannot leave at once: joins the queue and
-    /// waits there.
+    /// [`Group::join_queue`]'s wait: joins the queue (taking the turn at once when
+    /// nobody is ahead) and waits there.
     async fn wait_in_line_to_leave(
         self: &Arc<Self>,
         cost: u32,
