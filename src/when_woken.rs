@@ -18,11 +18,11 @@
 //!   "Tenth session").
 //!
 //! The inner work gets a waker of its own (`Gate`, crate-private): it records that the
-//! inner work asked to be polled, then wakes the task. A poll that finds no such record returns
-//! `Pending` without touching the inner work. The task's waker is registered on every
-//! poll, before the record is looked at, so a wake-up from any thread reaches the task
-//! whatever the order of the two (an `AtomicWaker` hand-over: two compare-and-swaps, no
-//! lock).
+//! inner work asked to be polled, then wakes the task. A poll that finds no such record
+//! returns `Pending` without touching the inner work. The task's waker is registered on
+//! every poll, before the record is looked at, so a wake-up from any thread reaches the
+//! task whatever the order of the two (an `AtomicWaker` hand-over: two
+//! compare-and-swaps, no lock).
 
 use std::future::Future;
 use std::io;
