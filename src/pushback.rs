@@ -156,9 +156,9 @@ where
 /// A request joining a queue of at least this many is copied out of its client
 /// connection's read buffer first ([`Replayable::detach_from_connection`]).
 ///
-/// Why not every request that waits: skipping the copy took 1.7–2.5k instructions off a
-/// queued request, 4–6 % of its cost with a `Host` header alone and more with more
-/// headers (callgrind, together with [`worth_detaching`]'s test replacing a dearer one,
+/// Why not every request that waits: skipping the copy took a median 1.6k instructions
+/// off a queued request with a `Host` header alone (≈ 4 %) and 3.1k with seven headers
+/// (≈ 6 %) (callgrind, together with [`worth_detaching`]'s test replacing a dearer one,
 /// ≈ 0.15k of that; BENCHMARKS.md, "Thirteenth session"), and what the copy saves is
 /// memory, which only counts when many wait: ≈ 4 KiB resident per waiting request on an
 /// HTTP/1 connection (of the 8 KiB buffer hyper must then allocate anew). A request
