@@ -36,7 +36,7 @@ use crate::config::GroupSettings;
 use crate::error::ProxyError;
 use crate::limit::layer::{Admission, BoxFuture, Exchange, Routed};
 use crate::limit::Group;
-use crate::ratelimit_headers::pause_hint;
+use crate::ratelimit_headers::{names_a_rate_limit, pause_hint};
 use crate::retry_after::{backoff, retry_after};
 
 /// What a response means for its group.
@@ -52,14 +52,16 @@ pub enum Verdict {
 
 /// Judges an upstream response. Pure: the time and the jitter come in as arguments.
 ///
-/// `now` is our wall clock at the response; `pushbacks_in_row` counts the group's
-/// push-backs since its last normal answer, for the fallback backoff; `jitter` is in
-/// `[0, 1)`.
+/// `now` reads our wall clock at the response; it is called only for a response that
+/// says when to come back or carries rate-limit headers (nearly every response has
+/// neither, and the read was one of the nine clock reads of a forwarded request).
+/// `pushbacks_in_row` counts the group's push-backs since its last normal answer, for the
+/// fallback backoff; `jitter` is in `[0, 1)`.
 pub fn judge(
     status: u16,
     headers: &HeaderMap,
     settings: &GroupSettings,
-    now: SystemTime,
+    now: impl Fn() -> SystemTime,
     pushbacks_in_row: u32,
     jitter: f64,
 ) -> Verdict {
@@ -67,12 +69,16 @@ pub fn judge(
     let max = settings.max_pause;
     // Epoch resets are read against the upstream's own clock when it says what it is:
     // `pause_hint` reads `Date` itself and falls back to `now`.
-    let hint = pause_hint(headers, now, max);
+    let hint = if names_a_rate_limit(headers) {
+        pause_hint(headers, now(), max)
+    } else {
+        None
+    };
     if settings.retry_statuses.contains(&status) {
         let fallback = || backoff(pushbacks_in_row, max, jitter);
         match text(header::RETRY_AFTER) {
             Some(value) => {
-                let pause = retry_after(value, text(header::DATE), now, max);
+                let pause = retry_after(value, text(header::DATE), now(), max);
                 return Verdict::PushBack(pause.unwrap_or_else(fallback));
             }
             // A 503 that does not say when to come back is an outage, not a limit.
@@ -355,7 +361,7 @@ where
             status,
             response.headers(),
             settings,
-            SystemTime::now(),
+            SystemTime::now,
             group.pushbacks_in_row(),
             jitter,
         );
@@ -512,7 +518,7 @@ mod tests {
             status,
             &headers(pairs),
             &GroupSettings::default(),
-            now,
+            || now,
             0,
             0.5,
         )
@@ -522,6 +528,29 @@ mod tests {
     fn ordinary_answers_pass() {
         assert_eq!(judged(200, &[]), Verdict::Pass);
         assert_eq!(judged(500, &[("retry-after", "5")]), Verdict::Pass);
+    }
+
+    /// The wall clock is read for a response that needs it, not for every response.
+    #[test]
+    fn the_clock_is_read_only_for_a_response_that_needs_it() {
+        let settings = GroupSettings::default();
+        let at = httpdate::parse_http_date("Sun, 22 Nov 2026 10:00:00 GMT").unwrap();
+        let reads = std::cell::Cell::new(0);
+        let now = || {
+            reads.set(reads.get() + 1);
+            at
+        };
+        let plain = headers(&[("content-type", "text/plain"), ("retry-after", "5")]);
+        assert_eq!(judge(200, &plain, &settings, now, 0, 0.5), Verdict::Pass);
+        assert_eq!(reads.get(), 0, "an ordinary answer reads no clock");
+        let refused = headers(&[("retry-after", "5")]);
+        let verdict = judge(429, &refused, &settings, now, 0, 0.5);
+        assert_eq!(verdict, Verdict::PushBack(Duration::from_secs(5)));
+        assert_eq!(reads.get(), 1, "a Retry-After is read against the clock");
+        let spent = headers(&[("ratelimit", r#""default";r=0;t=30"#)]);
+        let verdict = judge(200, &spent, &settings, now, 0, 0.5);
+        assert_eq!(verdict, Verdict::Pause(Duration::from_secs(30)));
+        assert_eq!(reads.get(), 2, "so is a rate-limit header");
     }
 
     #[test]
@@ -598,7 +627,7 @@ mod tests {
             503,
             &headers(&[("retry-after", "3")]),
             &settings,
-            SystemTime::now(),
+            SystemTime::now,
             0,
             0.0,
         );

@@ -84,6 +84,19 @@ const DELTA_MAX: u64 = 365 * 24 * 60 * 60;
 /// The smallest `*-Reset` value read as a Unix timestamp in milliseconds.
 const EPOCH_MILLIS_MIN: u64 = 1_000_000_000_000;
 
+/// Whether any header of `headers` is one of the rate-limit headers [`pause_hint`]
+/// reads (`RateLimit*`, `X-RateLimit-*`).
+///
+/// Every response is asked and nearly none has them: one pass over the names it has is
+/// cheaper than the three look-ups of `pause_hint`, each of which hashes a long name
+/// (~0.8k instructions per response in all, callgrind).
+pub fn names_a_rate_limit(headers: &HeaderMap) -> bool {
+    headers.keys().any(|name| {
+        let name = name.as_str();
+        name.starts_with("ratelimit") || name.starts_with("x-ratelimit-")
+    })
+}
+
 /// How long to pause the group when these response headers say its budget is spent.
 ///
 /// `now` is our wall clock when the response arrived; it only matters for a reset
@@ -106,13 +119,7 @@ const EPOCH_MILLIS_MIN: u64 = 1_000_000_000_000;
 /// );
 /// ```
 pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> Option<Duration> {
-    // Every response passes here and nearly none has these headers: one pass over the
-    // names it has is cheaper than the three lookups below, each of which hashes a long
-    // name (~0.8k instructions per response in all, callgrind).
-    if !headers.keys().any(|name| {
-        let name = name.as_str();
-        name.starts_with("ratelimit") || name.starts_with("x-ratelimit-")
-    }) {
+    if !names_a_rate_limit(headers) {
         return None;
     }
     // `Date` is parsed only when a reset is an absolute time: nearly every response

@@ -426,14 +426,14 @@ impl Group {
         if self.shared.is_some() {
             return None;
         }
+        let since_epoch = now - self.epoch;
         let mut state = self.lock();
-        if !self.may_leave_at_once(&state, now) {
+        if !self.may_leave_at_once(&state, now, since_epoch) {
             return None;
         }
         // No waiter holds the turn, so none waits on the semaphore either: a free permit
         // is nobody else's.
         let held = self.permits.clone().try_acquire_owned().ok()?;
-        let since_epoch = now - self.epoch;
         if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
             let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
             self.set_factor(&mut state, factor);
@@ -444,10 +444,11 @@ impl Group {
         Some(Permit::new(Held::Local(held), self.clone()))
     }
 
-    /// Whether a request arriving `now` would find nobody ahead, no pause, no queue bound
-    /// reached and the local rate open (permits aside): [`Group::admit_at_once`]'s test.
-    fn may_leave_at_once(&self, state: &State, now: Instant) -> bool {
-        let since_epoch = now - self.epoch;
+    /// Whether a request arriving `now` (`since_epoch` after the group's epoch) would find
+    /// nobody ahead, no pause, no queue bound reached and the local rate open (permits
+    /// aside): [`Group::admit_at_once`]'s test. The offset is the caller's, worked out
+    /// once: the admission of an unlimited group's request needs it twice.
+    fn may_leave_at_once(&self, state: &State, now: Instant, since_epoch: Duration) -> bool {
         !state.turn_taken
             && state.waiting.is_empty()
             && state.queued < self.settings.queue
@@ -459,9 +460,11 @@ impl Group {
     /// the request asks). Used to decide whether a new connection's first request waits
     /// before hyper reads it (`server::early`).
     pub fn would_wait(&self) -> bool {
-        self.shared.is_some()
-            || self.permits.available_permits() == 0
-            || !self.may_leave_at_once(&self.lock(), Instant::now())
+        if self.shared.is_some() || self.permits.available_permits() == 0 {
+            return true;
+        }
+        let now = Instant::now();
+        !self.may_leave_at_once(&self.lock(), now, now - self.epoch)
     }
 
     /// Whether at least `depth` requests are queued, as `/status` and
