@@ -367,7 +367,13 @@ impl Group {
 
     /// When the current pause ends, if the group is paused.
     pub fn paused_until(&self) -> Option<Instant> {
-        self.lock().paused_until.filter(|p| *p > Instant::now())
+        self.paused_at(Instant::now())
+    }
+
+    /// When the pause in force at `now` ends, if there is one: [`Group::paused_until`]
+    /// for a caller that has just read the clock.
+    fn paused_at(&self, now: Instant) -> Option<Instant> {
+        self.lock().paused_until.filter(|p| *p > now)
     }
 
     /// A snapshot for `/status`.
@@ -531,8 +537,10 @@ impl Group {
         // Since when nothing but the rate held the request back (see the departure).
         let mut ready = place.joined;
         loop {
+            // Read once per pass and used until something is awaited: the head reads the
+            // clock for every queued request, and three reads a pass were two too many.
             let now = Instant::now();
-            if let Some(pause) = self.paused_until() {
+            if let Some(pause) = self.paused_at(now) {
                 booked = false; // a slot booked before the pause began has passed
                 tokio::time::sleep_until(pause).await;
                 ready = ready.max(pause);
@@ -545,11 +553,12 @@ impl Group {
                 let (at, is_booking) = self.pace(cost, now).await?;
                 booked = is_booking;
                 awaited = self.shared.is_some();
-                // Against the clock now, not `now`: a booking in the shared store is a
-                // round trip, and its "leave at once" comes back as the time the answer
-                // arrived, after `now`. Compared with `now`, every booking slept on
-                // tokio's 1 ms timer first: 1.3 ms per request, per group, one at a time.
-                let now = Instant::now();
+                // After a booking, against the clock now, not `now`: a booking in the
+                // shared store is a round trip, and its "leave at once" comes back as the
+                // time the answer arrived, after `now`. Compared with `now`, every booking
+                // slept on tokio's 1 ms timer first: 1.3 ms per request, per group, one
+                // at a time. The local rate answers for `now` itself, without a wait.
+                let now = if awaited { Instant::now() } else { now };
                 if at > now {
                     if at - now >= PRECISE_WAKE {
                         crate::precise_sleep::sleep_until(at).await;
@@ -591,7 +600,10 @@ impl Group {
                 // `held` is dropped: the retry may need this very permit.
                 return Ok(None);
             }
-            let now = Instant::now();
+            // Nothing awaited since `now` was read, it stands for the departure: read
+            // before the lock, it may be a hair earlier than a time another thread stored
+            // under it, which is harmless as in `admit_at_once`.
+            let now = if awaited { Instant::now() } else { now };
             if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
                 let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
                 self.set_factor(&mut state, factor);
