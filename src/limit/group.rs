@@ -477,8 +477,13 @@ impl Group {
     /// `tollgate_queue_depth` count them (admitted to the queue and not yet gone from
     /// it): a request arriving now would wait behind them. A hint, as
     /// [`Group::would_wait`].
+    ///
+    /// Read from the `tollgate_queue_depth` gauge, which is set under the lock whenever
+    /// the count changes, rather than under the lock: push-back asks for every request,
+    /// and the lock was the second of two per forwarded request on a group every
+    /// serving thread shares.
     pub fn queued_at_least(&self, depth: usize) -> bool {
-        self.lock().queued >= depth
+        usize::try_from(self.metrics.queue_depth.get()).is_ok_and(|queued| queued >= depth)
     }
 
     /// Joins the queue (or takes the turn at once when nobody is ahead).
