@@ -605,9 +605,9 @@ impl Group {
                 // `held` is dropped: the retry may need this very permit.
                 return Ok(None);
             }
-            // Nothing awaited since `now` was read, it stands for the departure: read
-            // before the lock, it may be a hair earlier than a time another thread stored
-            // under it, which is harmless as in `admit_at_once`.
+            // When nothing was awaited since `now` was read, it stands for the departure.
+            // Read before the lock, it may be a hair earlier than a time another thread
+            // stored under it, which is harmless, as in `admit_at_once`.
             let now = if awaited { Instant::now() } else { now };
             if state.factor < 1.0 && now - state.factor_changed >= ADAPTIVE_CALM {
                 let factor = (state.factor + ADAPTIVE_STEP).min(1.0);
