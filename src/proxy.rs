@@ -128,7 +128,7 @@ impl Proxy {
 
     /// Serves one request from a client connected to `local`. Never fails. `early` is
     /// the outcome of its wait in its group when it waited before hyper read it (see
-    /// [`Proxy::group_to_wait_in`]).
+    /// [`Proxy::group_of`]).
     ///
     /// Not an `async fn`: hyper moves this future into its connection's slot for every
     /// request, and an `async fn` would hold the request and `early` twice (its
@@ -185,20 +185,13 @@ impl Proxy {
         Either::Right(answered)
     }
 
-    /// The group a request with this head would have to wait in, and its cost; `None`
-    /// when it would leave at once (or cannot be classified: [`Proxy::handle`] answers
-    /// that). Decides exactly as [`Proxy::handle`] will for the same head, so a new
-    /// connection's first request can wait before hyper reads it (`server::early`).
-    pub fn group_to_wait_in(
-        &self,
-        head: &mut Request<()>,
-        local: SocketAddr,
-    ) -> Option<(Arc<Group>, u32)> {
+    /// The group of a request with this head, and its cost; `None` when it cannot be
+    /// classified ([`Proxy::handle`] answers that). Decides exactly as [`Proxy::handle`]
+    /// will for the same head, so that a new connection's first request can go to its
+    /// group's thread and wait there before hyper reads it (`server::early`).
+    pub fn group_of(&self, head: &mut Request<()>, local: SocketAddr) -> Option<(Arc<Group>, u32)> {
         let target = self.classifier.classify(head, local).ok()?;
         let group = self.limits.group_for(&target.host, target.limit.as_deref());
-        if !group.would_wait() {
-            return None;
-        }
         let cost = group.settings.cost_of(head.method(), head.uri().path());
         Some((group, cost))
     }

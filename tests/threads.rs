@@ -9,8 +9,18 @@ use std::time::Duration;
 
 use support::*;
 
+/// The value of the counter `series` (name and labels) in the proxy's `/metrics`.
+async fn counter(proxy: &Proxy, series: &str) -> u64 {
+    let metrics = admin_get(proxy, "/metrics").await;
+    let line = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {series} in:\n{metrics}"));
+    line.parse().unwrap()
+}
+
 #[tokio::test]
-async fn threads_share_one_budget_and_each_serves_connections() {
+async fn threads_share_one_budget_and_a_paced_group_is_served_by_one_of_them() {
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
     let proxy = start_proxy_on_threads(
         r#"
@@ -34,18 +44,45 @@ async fn threads_share_one_budget_and_each_serves_connections() {
     let at = arrivals(&upstream);
     assert_eq!(at.len(), 40, "every request reached the upstream once");
     assert_paced(&at, Duration::from_millis(50), Duration::from_millis(20));
-    // Requests leave 50 ms apart and are answered at once, so one thread's pool would
-    // carry them all on one upstream connection; each thread has a pool of its own, so
-    // more than one connection means more than one thread served.
+
+    // The group's rate is one thread's work, so its connections are served by its home
+    // thread: those the kernel gave the two other threads were moved there (with 40
+    // connections over three threads, all on one thread is a chance of 3^-39)...
+    let moved = counter(&proxy, r#"tollgate_connections_moved_total{group="paced"}"#).await;
+    assert!((1..40).contains(&moved), "{moved} of 40 connections moved");
+    // ...and one thread's pool carried every request: they left 50 ms apart and were
+    // answered at once, so on one upstream connection (each thread has a pool of its
+    // own: three threads serving would have opened one each).
     let connections: BTreeSet<usize> = upstream.requests().iter().map(|s| s.conn).collect();
-    assert!(
-        connections.len() >= 2,
-        "all 40 requests came through one thread's pool: {connections:?}"
-    );
+    assert_eq!(connections.len(), 1, "{connections:?}");
 
     let addr = proxy.addr;
     // Every thread drains and returns (shutdown panics past its bound)...
     proxy.shutdown().await;
     // ...and every thread's socket is closed.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+#[tokio::test]
+async fn a_group_without_a_rate_is_served_where_its_connections_arrive() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let proxy = start_proxy_on_threads(
+        r#"
+        [[limit]]
+        name = "open"
+        hosts = ["127.0.0.1"]
+        concurrency = 4
+        "#,
+        3,
+    )
+    .await;
+    let urls = (0..40).map(|i| upstream.url(&format!("/item/{i}")));
+    let statuses = get_all_at_once(&proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert_eq!(upstream.requests().len(), 40);
+    // Its work is not bounded by a rate, so no thread is its home: every thread serves
+    // the connections it accepted.
+    let moved = counter(&proxy, r#"tollgate_connections_moved_total{group="open"}"#).await;
+    assert_eq!(moved, 0);
+    proxy.shutdown().await;
 }

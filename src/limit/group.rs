@@ -72,7 +72,16 @@ pub struct Group {
     state: Mutex<State>,
     /// This group's metric handles.
     pub metrics: GroupMetrics,
+    /// The serving thread that serves its clients' connections, as a number the server
+    /// takes modulo its thread count; `None` when any thread may (see [`Group::home`]).
+    home: Option<usize>,
 }
+
+/// A group whose rates let at most this many requests a second leave is served by one
+/// thread ([`Group::home`]): half of what one serving thread forwards on the 2-core
+/// machines measured (≈ 40 000/s pinned, BENCHMARKS.md), so that the thread has room
+/// for it and for the other work it serves.
+pub const ONE_THREAD_RATE: f64 = 20_000.0;
 
 /// What changes as requests come and go.
 struct State {
@@ -213,7 +222,39 @@ impl Group {
             configured: rates,
             settings,
             metrics,
+            home: None,
         }
+    }
+
+    /// Whether its rates keep it within one serving thread's work: the slowest of them
+    /// lets at most [`ONE_THREAD_RATE`] requests a second leave. No rate, no bound.
+    pub fn paced_for_one_thread(&self) -> bool {
+        let per_second = |r: &crate::config::Rate| r.limit as f64 / r.period.as_secs_f64();
+        let slowest = self.settings.rates.iter().map(per_second).reduce(f64::min);
+        slowest.is_some_and(|rate| rate <= ONE_THREAD_RATE)
+    }
+
+    /// This group with home `ordinal` (see [`Group::home`]).
+    pub fn with_home(self, ordinal: usize) -> Group {
+        Group {
+            home: Some(ordinal),
+            ..self
+        }
+    }
+
+    /// The serving thread whose connections it wants, as a number to take modulo the
+    /// thread count; `None` when any thread will do.
+    ///
+    /// Why: the head of a paced queue releases the requests behind it, and a request
+    /// waiting on another serving thread is woken across threads, an idle thread woken
+    /// for each release. At 10 000 requests/s on two threads that cost 3.4 µs of CPU per
+    /// request more than one thread serving them all (BENCHMARKS.md, "Seventeenth
+    /// session"). A group paced within one thread's work ([`Group::paced_for_one_thread`])
+    /// is given a home by [`crate::limit::Limits`], and the server moves a connection
+    /// whose first request is for it to that thread before the request waits
+    /// (`server::home`).
+    pub fn home(&self) -> Option<usize> {
+        self.home
     }
 
     /// Waits until a request of `cost` may leave, in FIFO order, and returns the

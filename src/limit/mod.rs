@@ -15,6 +15,7 @@ pub mod layer;
 pub mod shared;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
@@ -49,6 +50,9 @@ pub struct Limits {
     metrics: Arc<Metrics>,
     /// The Redis store, when limits are shared by replicas.
     shared: Option<Arc<Shared>>,
+    /// The home of the next group paced for one thread: given in turn, so that such
+    /// groups spread over the serving threads (see [`Group::home`]).
+    next_home: AtomicUsize,
 }
 
 /// Groups of hosts that match no `[[limit]]`.
@@ -63,12 +67,16 @@ impl Limits {
         let mut by_name = Map::default();
         let mut by_host = Map::default();
         let mut by_suffix = Vec::new();
+        let next_home = AtomicUsize::new(0);
         for limit in &config.limits {
-            let group = Arc::new(Group::new(
-                limit.name.as_str().into(),
-                limit.settings.clone(),
-                metrics.group(&limit.name),
-                shared.clone(),
+            let group = Arc::new(Limits::homed(
+                &next_home,
+                Group::new(
+                    limit.name.as_str().into(),
+                    limit.settings.clone(),
+                    metrics.group(&limit.name),
+                    shared.clone(),
+                ),
             ));
             for host in &limit.hosts {
                 match host {
@@ -93,7 +101,16 @@ impl Limits {
             }),
             metrics,
             shared,
+            next_home,
         }
+    }
+
+    /// `group`, with the next home when it is paced for one thread.
+    fn homed(next_home: &AtomicUsize, group: Group) -> Group {
+        if !group.paced_for_one_thread() {
+            return group;
+        }
+        group.with_home(next_home.fetch_add(1, Ordering::Relaxed))
     }
 
     /// The group for a request to `host` (lower case), or the group `named` by its route.
@@ -129,11 +146,14 @@ impl Limits {
         if dynamic.groups.len() >= dynamic.sweep_at {
             self.sweep(&mut dynamic);
         }
-        let group = Arc::new(Group::new(
-            host.into(),
-            self.defaults.clone(),
-            self.metrics.group(host),
-            self.shared.clone(),
+        let group = Arc::new(Limits::homed(
+            &self.next_home,
+            Group::new(
+                host.into(),
+                self.defaults.clone(),
+                self.metrics.group(host),
+                self.shared.clone(),
+            ),
         ));
         dynamic.groups.insert(host.to_string(), group.clone());
         group
@@ -209,6 +229,45 @@ mod tests {
             Arc::ptr_eq(&a, &l.group_for("example.com", None)),
             "one group per host"
         );
+    }
+
+    #[test]
+    fn groups_paced_for_one_thread_get_homes_in_turn() {
+        let config = Config::parse(
+            r#"
+            [defaults]
+            rate = "5/s"
+            [[limit]]
+            name = "slow"
+            hosts = ["a.example"]
+            rate = ["10/s", "1000/h"]
+            [[limit]]
+            name = "open"
+            hosts = ["b.example"]
+            rate = "unlimited"
+            [[limit]]
+            name = "fast"
+            hosts = ["c.example"]
+            rate = "100000/s"
+            [[limit]]
+            name = "edge"
+            hosts = ["d.example"]
+            rate = "20000/s"
+            "#,
+            "t",
+        )
+        .unwrap();
+        let l = Limits::new(&config, Arc::new(Metrics::new()), None);
+        let home = |host: &str| l.group_for(host, None).home();
+        // Configured groups in file order, then unlisted hosts as they are first seen;
+        // no rate, or a rate past one thread's work, no home.
+        assert_eq!(home("a.example"), Some(0));
+        assert_eq!(home("b.example"), None);
+        assert_eq!(home("c.example"), None);
+        assert_eq!(home("d.example"), Some(1));
+        assert_eq!(home("x.example"), Some(2));
+        assert_eq!(home("y.example"), Some(3));
+        assert_eq!(home("x.example"), Some(2), "a group keeps its home");
     }
 
     #[test]

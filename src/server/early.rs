@@ -7,7 +7,7 @@
 //! a request waiting inside hyper held ≈ 15 KiB (BENCHMARKS.md, "Queue memory"). Here the
 //! first request is read with a peek, which leaves the bytes in the kernel's socket
 //! buffer, and classified as [`Proxy::handle`] will classify it. When its group would
-//! make it wait ([`Proxy::group_to_wait_in`]) it waits here, in the same queue and the same
+//! make it wait ([`Proxy::group_of`], [`crate::limit::Group::would_wait`]) it waits here, in the same queue and the same
 //! order as every other request of the group; hyper starts once it is admitted or
 //! refused, and the outcome rides with the connection to its first request
 //! ([`Admission`]), which the throttle does not queue again.
@@ -19,15 +19,16 @@
 //! not fit the peek, wait inside hyper as before.
 
 use std::io;
-use std::net::SocketAddr;
 
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::home::{Arrival, Homes, Moved};
 use super::sniff::{peek_request, Peeked};
 use crate::limit::layer::Admission;
+use crate::limit::Group;
 use crate::proxy::Proxy;
 
 /// A connection for hyper to serve, after [`wait_in_group`].
@@ -52,6 +53,9 @@ pub(super) enum Ended {
     /// The socket could not be registered with the reactor again (out of memory, or of
     /// epoll watches).
     Unregistered(io::Error),
+    /// The connection went to its group's home thread, which serves it from here on
+    /// (`server::home`).
+    Moved,
 }
 
 /// How many times a first request that arrives in pieces is looked at again (one look
@@ -59,30 +63,49 @@ pub(super) enum Ended {
 const LOOKS: usize = 8;
 
 /// Waits in its group for the first request on `stream` when it has all arrived (by
-/// `give_up`, for one that comes in pieces) and its group would make it wait; see the
-/// module documentation.
+/// `arrival.give_up`, for one that comes in pieces) and its group would make it wait;
+/// see the module documentation. Before that, a connection whose first request is for a
+/// group with a home on another serving thread is sent there (`homes`; `None` for a
+/// connection that was already moved).
 pub(super) async fn wait_in_group(
     stream: TcpStream,
     proxy: &Proxy,
-    local: SocketAddr,
-    give_up: Instant,
+    arrival: Arrival,
+    homes: Option<&Homes>,
     cut: &CancellationToken,
 ) -> Result<ForHyper, Ended> {
-    let arrived = Instant::now();
+    let mut stream = stream;
     // Whether this socket's readiness was spent here (see `register_again`).
     let mut spent = false;
     let head = match peek_request(&stream) {
         Peeked::Whole(head) => Some(head),
         Peeked::Partial => {
             spent = true;
-            rest_of_request(&stream, give_up).await
+            rest_of_request(&stream, arrival.give_up).await
         }
         Peeked::Unusable => None,
     };
-    let queue = head.and_then(|mut head| proxy.group_to_wait_in(&mut head, local));
+    let is_connect = head
+        .as_ref()
+        .is_some_and(|h| h.method() == http::Method::CONNECT);
+    let first = head.and_then(|mut head| proxy.group_of(&mut head, arrival.local));
+    if let (Some((group, _)), Some(homes)) = (&first, homes) {
+        // Not a tunnel: its rate counts opens, not the traffic in it, which the home
+        // thread need not carry.
+        if let Some(home) = homes.elsewhere(group).filter(|_| !is_connect) {
+            match go_home(stream, group, homes, home, arrival)? {
+                Some(refused) => {
+                    stream = refused;
+                    spent = true;
+                }
+                None => return Err(Ended::Moved),
+            }
+        }
+    }
     let mut admission = None;
-    if let Some((group, cost)) = queue {
+    if let Some((group, cost)) = first.filter(|(group, _)| group.would_wait()) {
         spent = true;
+        let arrived = arrival.arrived;
         let deadline = arrived + group.settings.max_wait;
         // Shutdown's drain does not end the wait: the request was made, and is served
         // or refused like one waiting inside hyper. A client that left is looked at
@@ -108,6 +131,33 @@ pub(super) async fn wait_in_group(
         admission,
         registered_again: spent,
     })
+}
+
+/// Sends the connection to thread `home`, `group`'s: `None` once it is on its way, or
+/// back, registered afresh here, when that thread takes no more connections (it is
+/// shutting down).
+fn go_home(
+    stream: TcpStream,
+    group: &Group,
+    homes: &Homes,
+    home: usize,
+    arrival: Arrival,
+) -> Result<Option<TcpStream>, Ended> {
+    let moved = Moved {
+        // Off this thread's reactor: the home thread registers it with its own.
+        stream: stream.into_std().map_err(Ended::Unregistered)?,
+        arrival,
+    };
+    match homes.send(home, moved) {
+        Ok(()) => {
+            group.metrics.moved.inc();
+            tracing::debug!(remote = %arrival.remote, group = %group.name, home, "moved the connection to its group's thread");
+            Ok(None)
+        }
+        Err(refused) => TcpStream::from_std(refused.stream)
+            .map(Some)
+            .map_err(Ended::Unregistered),
+    }
 }
 
 /// Waits for the rest of a first request that arrives in pieces, for a few looks and
@@ -165,7 +215,6 @@ fn register_again(stream: TcpStream) -> io::Result<TcpStream> {
 mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::limit::Group;
     use std::sync::Arc;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -197,6 +246,17 @@ mod tests {
         (client, server)
     }
 
+    /// The connection as `Client::serve` describes it, seen now.
+    fn arrival(local: std::net::SocketAddr) -> Arrival {
+        let now = Instant::now();
+        Arrival {
+            local,
+            remote: local,
+            arrived: now,
+            give_up: now + BOUND,
+        }
+    }
+
     async fn until_queued(group: &Group, n: usize) {
         while group.status().queued != n {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -226,7 +286,7 @@ mod tests {
         let (_client, server) = connection(REQUEST).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let wait = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut);
+        let wait = wait_in_group(server, &proxy, arrival(local), None, &cut);
         tokio::pin!(wait);
         until_queued_in(wait.as_mut(), &group).await;
 
@@ -253,7 +313,7 @@ mod tests {
         let (mut client, server) = connection(&REQUEST[..20]).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let wait = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut);
+        let wait = wait_in_group(server, &proxy, arrival(local), None, &cut);
         tokio::pin!(wait);
         tokio::select! {
             biased;
@@ -277,7 +337,7 @@ mod tests {
         let (client, server) = connection(REQUEST).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let wait = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut);
+        let wait = wait_in_group(server, &proxy, arrival(local), None, &cut);
         tokio::pin!(wait);
         until_queued_in(wait.as_mut(), &group).await;
         drop(client);
@@ -297,7 +357,7 @@ mod tests {
         let (_client, server) = connection(REQUEST).await;
         let local = server.local_addr().unwrap();
         let cut = CancellationToken::new();
-        let ready = wait_in_group(server, &proxy, local, Instant::now() + BOUND, &cut)
+        let ready = wait_in_group(server, &proxy, arrival(local), None, &cut)
             .await
             .expect("served");
         assert!(ready.admission.is_none());

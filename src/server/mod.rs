@@ -5,11 +5,14 @@
 //! tests pass one bound to port 0.
 //!
 //! * `sniff` — the first bytes, peeked: the HTTP version, and the first request;
+//! * `home` — a connection whose first request is for a slowly paced group moves to
+//!   that group's serving thread;
 //! * `early` — that first request waits in its group before hyper is started;
 //! * this module — the listening sockets, the serving threads, hyper's connections and
 //!   shutdown.
 
 mod early;
+mod home;
 mod sniff;
 
 use std::convert::Infallible;
@@ -38,6 +41,7 @@ use crate::tunnel::KeepWhileOpen;
 use crate::when_woken::WhenWoken;
 
 use early::Ended;
+use home::{Arrival, Homes, Inbox, Moved};
 use sniff::{sniff_stream, Sniffed};
 
 /// Builds the proxy from `config` and serves `listener` until `shutdown` completes, then
@@ -126,8 +130,10 @@ pub async fn serve_threads(
     // However this function ends (an error after some threads started, included), the
     // threads it started stop serving.
     let _stop_at_exit = stop.clone().drop_guard();
+    let mut homes = Homes::new(1 + sockets.others.len()).into_iter();
+    let (first_homes, first_inbox) = homes.next().expect("one per thread");
     let mut others = Vec::new();
-    for (thread, socket) in (1..).zip(sockets.others) {
+    for ((thread, socket), (homes, inbox)) in (1..).zip(sockets.others).zip(homes) {
         let sibling = Arc::new(proxy.sibling(&config)?);
         let settings = config.proxy.clone();
         let stopped = stop.clone().cancelled_owned();
@@ -141,7 +147,14 @@ pub async fn serve_threads(
                     .expect("the tokio runtime starts");
                 runtime.block_on(async move {
                     match TcpListener::from_std(socket) {
-                        Ok(listener) => serve(listener, sibling, &settings, stopped).await,
+                        Ok(listener) => {
+                            let on = Thread {
+                                sockets: listener,
+                                homes,
+                                inbox,
+                            };
+                            serve(on, sibling, &settings, stopped).await
+                        }
                         // Only if epoll refuses a socket; the other threads go on.
                         Err(e) => {
                             tracing::error!(thread, error = %e, "serving thread cannot accept")
@@ -167,7 +180,12 @@ pub async fn serve_threads(
         // Every thread stops accepting at once, and drains on its own.
         stop.cancel();
     };
-    serve(sockets.first, proxy, &config.proxy, shutdown).await;
+    let on = Thread {
+        sockets: sockets.first,
+        homes: first_homes,
+        inbox: first_inbox,
+    };
+    serve(on, proxy, &config.proxy, shutdown).await;
     stop.cancel();
     for (handle, done) in others {
         // `done` closes when the thread's runtime has finished; join is then immediate.
@@ -177,9 +195,20 @@ pub async fn serve_threads(
     Ok(())
 }
 
-/// Serves `listener` with an already built [`Proxy`]; see [`run`].
-pub async fn serve(
-    listener: TcpListener,
+/// What one serving thread takes connections from.
+struct Thread {
+    /// Its listening socket.
+    sockets: TcpListener,
+    /// Every thread's inbox, for connections that belong on another thread.
+    homes: Homes,
+    /// Its own inbox: connections other threads moved here.
+    inbox: Inbox,
+}
+
+/// Serves one thread's connections with an already built [`Proxy`]; see
+/// [`serve_threads`].
+async fn serve(
+    on: Thread,
     proxy: Arc<Proxy>,
     settings: &ProxyConfig,
     shutdown: impl Future<Output = ()>,
@@ -207,10 +236,28 @@ pub async fn serve(
     let connections = TaskTracker::new();
     let drain = CancellationToken::new();
     let cut = CancellationToken::new();
+    let Thread {
+        sockets: listener,
+        homes,
+        mut inbox,
+    } = on;
+    let client = |remote, local, homes| Client {
+        proxy: proxy.clone(),
+        protocols: protocols.clone(),
+        local,
+        remote,
+        homes,
+    };
     tokio::pin!(shutdown);
     loop {
         let (stream, remote) = tokio::select! {
             _ = &mut shutdown => break,
+            // Never `None` while this thread holds `homes`, the senders' owner.
+            Some(moved) = inbox.recv() => {
+                let moved_here = client(moved.arrival.remote, moved.arrival.local, None);
+                connections.spawn(moved_here.serve_moved(moved, drain.clone(), cut.clone()));
+                continue;
+            }
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
@@ -225,15 +272,17 @@ pub async fn serve(
         let Ok(local) = stream.local_addr() else {
             continue;
         };
-        let client = Client {
-            proxy: proxy.clone(),
-            protocols: protocols.clone(),
-            local,
-            remote,
-        };
-        connections.spawn(client.serve(stream, drain.clone(), cut.clone()));
+        let accepted = client(remote, local, Some(homes.clone()));
+        connections.spawn(accepted.serve(stream, drain.clone(), cut.clone()));
     }
     drop(listener);
+    // Connections already on their way here are served like those accepted; any
+    // other thread that moves one after this serves it itself.
+    inbox.close();
+    while let Ok(moved) = inbox.try_recv() {
+        let moved_here = client(moved.arrival.remote, moved.arrival.local, None);
+        connections.spawn(moved_here.serve_moved(moved, drain.clone(), cut.clone()));
+    }
 
     let grace = settings.shutdown_grace.0;
     // One line per serving thread, each about its own connections.
@@ -284,6 +333,9 @@ struct Client {
     /// The address the client connected to (transparent routes depend on it).
     local: SocketAddr,
     remote: SocketAddr,
+    /// Where its first request's group may want it served (`home`); `None` for a
+    /// connection already moved, which stays where it is.
+    homes: Option<Homes>,
 }
 
 impl Client {
@@ -295,76 +347,121 @@ impl Client {
     /// socket: hyper's read buffer then grows to 16 KiB on the very first request, which
     /// every waiting client connection paid (BENCHMARKS.md, "Queue memory").
     async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
+        let (local, remote) = (self.local, self.remote);
         let give_up = Instant::now() + self.protocols.header_timeout;
         let Some(version) = sniff_stream(&stream, give_up, &drain).await else {
-            tracing::debug!(remote = %self.remote, "client sent no request");
+            tracing::debug!(%remote, "client sent no request");
             return;
         };
-        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
         let ended = match version {
             Sniffed::Http2 => {
                 // Boxed: an HTTP/2 connection is twice the size of an HTTP/1 one, and
                 // inline it would size every client connection's task.
                 let io = TokioIo::new(stream);
-                let serving = serve_http2(&self.protocols, io, proxy, local, &drain, &cut);
+                let serving = serve_http2(&self.protocols, io, self.proxy, local, &drain, &cut);
                 Box::pin(serving).await
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
-                let wait = early::wait_in_group(stream, &proxy, local, give_up, &cut);
-                let ready = match wait.await {
-                    Ok(ready) => ready,
-                    Err(Ended::ClientLeft) => {
-                        tracing::debug!(%remote, "client left while its request waited");
-                        return;
-                    }
-                    Err(Ended::Cut) => {
-                        tracing::debug!(%remote, "connection cut at shutdown");
-                        return;
-                    }
-                    Err(Ended::Unregistered(e)) => {
-                        tracing::warn!(%remote, error = %e, "dropped a connection whose request waited: cannot watch its socket");
-                        return;
-                    }
+                let arrival = Arrival {
+                    local,
+                    remote,
+                    arrived: Instant::now(),
+                    give_up,
                 };
-                // hyper must read the request before it is told to finish (it closes a
-                // connection it has not read from): told when the first request is in.
-                let first_in = ready.registered_again.then(CancellationToken::new);
-                // The outcome of the wait goes with the first request only.
-                let first = std::cell::Cell::new(ready.admission);
-                let service = {
-                    // Taken by the first request: `cancel` (and `is_cancelled`) lock the
-                    // token, which the requests after it need not do.
-                    let first_in = std::cell::Cell::new(first_in.clone());
-                    service_fn(move |req| {
-                        if let Some(first_in) = first_in.take() {
-                            first_in.cancel();
-                        }
-                        let early = first.take();
-                        let answered = proxy.handle(req, local, early);
-                        async move { Ok::<_, Infallible>(answered.await) }
-                    })
-                };
-                let drain = async {
-                    if let Some(first_in) = first_in {
-                        first_in.cancelled().await;
-                    }
-                    drain.cancelled().await
-                };
-                let conn = self
-                    .protocols
-                    .http1
-                    .serve_connection(TokioIo::new(Coalesced::new(ready.stream)), service)
-                    .with_upgrades();
-                until_closed(conn, |c| c.graceful_shutdown(), drain, &cut).await
+                self.serve_http1(stream, arrival, drain, &cut).await
             }
         };
-        match ended {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                tracing::debug!(%remote, error = %e, "client connection ended with an error")
+        report(remote, ended);
+    }
+
+    /// Serves an HTTP/1 connection that another serving thread moved here (`home`), its
+    /// first request still unread, as [`Client::serve`] would have from its peek on.
+    async fn serve_moved(self, moved: Moved, drain: CancellationToken, cut: CancellationToken) {
+        let remote = self.remote;
+        let stream = match TcpStream::from_std(moved.stream) {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(%remote, error = %e, "dropped a connection moved to its group's thread: cannot watch its socket");
+                return;
             }
-            None => tracing::debug!(%remote, "connection cut at shutdown"),
+        };
+        // As after the version peek on the thread that accepted it: the request's bytes
+        // are there once this thread's reactor has seen the new registration.
+        let seen = tokio::time::timeout_at(moved.arrival.give_up, stream.readable()).await;
+        if !matches!(seen, Ok(Ok(()))) {
+            tracing::debug!(%remote, "moved connection: client sent nothing more");
+            return;
         }
+        let ended = self.serve_http1(stream, moved.arrival, drain, &cut).await;
+        report(remote, ended);
+    }
+
+    /// Serves an HTTP/1 connection from its first request on, once the version peek
+    /// has seen it; `None` when `cut` closed it, or when it ended before hyper served it
+    /// (said in the log here, or moved to another thread).
+    async fn serve_http1(
+        self,
+        stream: TcpStream,
+        arrival: Arrival,
+        drain: CancellationToken,
+        cut: &CancellationToken,
+    ) -> Option<Result<(), hyper::Error>> {
+        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
+        let wait = early::wait_in_group(stream, &proxy, arrival, self.homes.as_ref(), cut);
+        let ready = match wait.await {
+            Ok(ready) => ready,
+            Err(Ended::ClientLeft) => {
+                tracing::debug!(%remote, "client left while its request waited");
+                return Some(Ok(()));
+            }
+            Err(Ended::Cut) => return None,
+            Err(Ended::Unregistered(e)) => {
+                tracing::warn!(%remote, error = %e, "dropped a connection whose request waited: cannot watch its socket");
+                return Some(Ok(()));
+            }
+            Err(Ended::Moved) => return Some(Ok(())),
+        };
+        // hyper must read the request before it is told to finish (it closes a
+        // connection it has not read from): told when the first request is in.
+        let first_in = ready.registered_again.then(CancellationToken::new);
+        // The outcome of the wait goes with the first request only.
+        let first = std::cell::Cell::new(ready.admission);
+        let service = {
+            // Taken by the first request: `cancel` (and `is_cancelled`) lock the
+            // token, which the requests after it need not do.
+            let first_in = std::cell::Cell::new(first_in.clone());
+            service_fn(move |req| {
+                if let Some(first_in) = first_in.take() {
+                    first_in.cancel();
+                }
+                let early = first.take();
+                let answered = proxy.handle(req, local, early);
+                async move { Ok::<_, Infallible>(answered.await) }
+            })
+        };
+        let drain = async {
+            if let Some(first_in) = first_in {
+                first_in.cancelled().await;
+            }
+            drain.cancelled().await
+        };
+        let conn = self
+            .protocols
+            .http1
+            .serve_connection(TokioIo::new(Coalesced::new(ready.stream)), service)
+            .with_upgrades();
+        until_closed(conn, |c| c.graceful_shutdown(), drain, cut).await
+    }
+}
+
+/// Logs how a client connection ended, when that says something.
+fn report(remote: SocketAddr, ended: Option<Result<(), hyper::Error>>) {
+    match ended {
+        Some(Ok(())) => {}
+        Some(Err(e)) => {
+            tracing::debug!(%remote, error = %e, "client connection ended with an error")
+        }
+        None => tracing::debug!(%remote, "connection cut at shutdown"),
     }
 }
 
