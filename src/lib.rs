@@ -7,8 +7,10 @@
 //!
 //! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) on one
 //!   thread per core, each with its own socket, and drains them on shutdown; a new
-//!   connection's first request is peeked at and, if its group makes it wait, waits
-//!   there before hyper takes the connection (`server/early.rs`);
+//!   connection's first request is peeked at; if its group is paced within one
+//!   thread's work, the connection moves to that group's thread (`server/home.rs`),
+//!   and if its group makes it wait, it waits there before hyper takes the connection
+//!   (`server/early.rs`);
 //! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
 //! * [`proxy`] — builds the tower stack; the one place where layer order is visible;
 //! * [`pushback`] — reads the upstream's answer: 429/`Retry-After` and rate-limit

@@ -12,6 +12,9 @@
 //! refused, and the outcome rides with the connection to its first request
 //! ([`Admission`]), which the throttle does not queue again.
 //!
+//! Before it waits, a connection whose first request is for a group with a home on
+//! another serving thread goes there (`server::home`), and waits on that thread.
+//!
 //! Only a request whose body has all arrived waits here (see [`Peeked::Whole`]). A
 //! client that leaves while its request waits here is noticed by the socket's
 //! read-closed readiness (`EPOLLRDHUP`), as hyper notices it by reading: the request is

@@ -118,7 +118,8 @@ fn bind(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
 /// its connections from accept to response does not, and spends less CPU per request
 /// (BENCHMARKS.md, "Performance against peers"). Groups, metrics and the shared store
 /// are one for all threads, so every limit holds across them; upstream connection pools
-/// are per thread.
+/// are per thread. A connection whose first request is for a slowly paced group moves
+/// to that group's home thread (`home`), so that the group's queue wakes one thread.
 pub async fn serve_threads(
     sockets: Sockets,
     admin: Option<TcpListener>,
