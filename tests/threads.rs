@@ -50,11 +50,12 @@ async fn threads_share_one_budget_and_a_paced_group_is_served_by_one_of_them() {
     // connections over three threads, all on one thread is a chance of 3^-39)...
     let moved = counter(&proxy, r#"tollgate_connections_moved_total{group="paced"}"#).await;
     assert!((1..40).contains(&moved), "{moved} of 40 connections moved");
-    // ...and one thread's pool carried every request: they left 50 ms apart and were
-    // answered at once, so on one upstream connection (each thread has a pool of its
-    // own: three threads serving would have opened one each).
+    // ...and one thread's pool carried every request. They left 50 ms apart and were
+    // answered at once, so one pool needs one upstream connection (two if a stall kept
+    // the first busy when the next left); each thread has a pool of its own, and the
+    // three threads that accepted them would have needed three.
     let connections: BTreeSet<usize> = upstream.requests().iter().map(|s| s.conn).collect();
-    assert_eq!(connections.len(), 1, "{connections:?}");
+    assert!(connections.len() <= 2, "{connections:?}");
 
     let addr = proxy.addr;
     // Every thread drains and returns (shutdown panics past its bound)...

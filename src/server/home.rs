@@ -91,3 +91,73 @@ impl Homes {
         self.inboxes[home].send(moved).map_err(|refused| refused.0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::metrics::Metrics;
+
+    /// A group paced at 10/s, with home `ordinal`.
+    fn group(ordinal: usize) -> Group {
+        let config = Config::parse("[defaults]\nrate = \"10/s\"\n", "t.toml").unwrap();
+        let metrics = Metrics::new().group("g");
+        Group::new("g".into(), config.defaults, metrics, None).with_home(ordinal)
+    }
+
+    fn arrival() -> Arrival {
+        let addr = "127.0.0.1:9".parse().unwrap();
+        let now = Instant::now();
+        Arrival {
+            local: addr,
+            remote: addr,
+            arrived: now,
+            give_up: now,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_goes_to_its_groups_thread_or_stays_when_that_one_is_closing() {
+        let mut threads = Homes::new(3);
+        let (this, _) = &threads[1];
+        // Homes are taken modulo the thread count; its own thread is not elsewhere.
+        assert_eq!(this.elsewhere(&group(0)), Some(0));
+        assert_eq!(this.elsewhere(&group(1)), None);
+        assert_eq!(this.elsewhere(&group(5)), Some(2));
+        let unhomed = Group::new(
+            "u".into(),
+            Config::parse("", "t.toml").unwrap().defaults,
+            Metrics::new().group("u"),
+            None,
+        );
+        assert_eq!(this.elsewhere(&unhomed), None);
+
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let socket = || std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let this = this.clone();
+        let sent = socket();
+        let port = sent.local_addr().unwrap().port();
+        assert!(this
+            .send(
+                0,
+                Moved {
+                    stream: sent,
+                    arrival: arrival()
+                }
+            )
+            .is_ok());
+        let got = threads[0].1.recv().await.expect("in thread 0's inbox");
+        assert_eq!(got.stream.local_addr().unwrap().port(), port);
+
+        // A thread that is shutting down takes nothing more: the sender keeps it.
+        threads[2].1.close();
+        let kept = this.send(
+            2,
+            Moved {
+                stream: socket(),
+                arrival: arrival(),
+            },
+        );
+        assert!(kept.is_err(), "a closed inbox refuses the connection");
+    }
+}

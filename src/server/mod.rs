@@ -278,9 +278,11 @@ async fn serve(
     }
     drop(listener);
     // Connections already on their way here are served like those accepted; any
-    // other thread that moves one after this serves it itself.
+    // other thread that moves one after this serves it itself. `recv`, not `try_recv`:
+    // it also waits for a send that has begun and not yet landed, which `try_recv`
+    // would report as an empty inbox, losing that connection.
     inbox.close();
-    while let Ok(moved) = inbox.try_recv() {
+    while let Some(moved) = inbox.recv().await {
         let moved_here = client(moved.arrival.remote, moved.arrival.local, None);
         connections.spawn(moved_here.serve_moved(moved, drain.clone(), cut.clone()));
     }
@@ -387,10 +389,17 @@ impl Client {
             }
         };
         // As after the version peek on the thread that accepted it: the request's bytes
-        // are there once this thread's reactor has seen the new registration.
-        let seen = tokio::time::timeout_at(moved.arrival.give_up, stream.readable()).await;
-        if !matches!(seen, Ok(Ok(()))) {
-            tracing::debug!(%remote, "moved connection: client sent nothing more");
+        // are there once this thread's reactor has seen the new registration. Not
+        // bounded by the header timeout: the request had arrived whole when it moved.
+        let seen = tokio::select! {
+            seen = stream.readable() => seen,
+            () = cut.cancelled() => {
+                report(remote, None);
+                return;
+            }
+        };
+        if let Err(e) = seen {
+            tracing::debug!(%remote, error = %e, "moved connection failed");
             return;
         }
         let ended = self.serve_http1(stream, moved.arrival, drain, &cut).await;
@@ -398,8 +407,9 @@ impl Client {
     }
 
     /// Serves an HTTP/1 connection from its first request on, once the version peek
-    /// has seen it; `None` when `cut` closed it, or when it ended before hyper served it
-    /// (said in the log here, or moved to another thread).
+    /// has seen it: `None` when `cut` closed it, `Some(Ok(()))` too when it ended
+    /// before hyper served it (the client left, which is logged here, or it moved to
+    /// another thread).
     async fn serve_http1(
         self,
         stream: TcpStream,
