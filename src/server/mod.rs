@@ -249,14 +249,36 @@ async fn serve(
         remote,
         homes,
     };
+    // A connection another thread moved here: registered with this thread's reactor,
+    // and never moved again.
+    let take = |moved: Moved| {
+        let Arrival {
+            local,
+            remote,
+            arrived,
+            give_up,
+        } = moved.arrival;
+        match TcpStream::from_std(moved.stream) {
+            Ok(stream) => Some((
+                client(remote, local, None),
+                stream,
+                Came::Moved { arrived, give_up },
+            )),
+            Err(e) => {
+                tracing::warn!(%remote, error = %e, "dropped a connection moved to its group's thread: cannot watch its socket");
+                None
+            }
+        }
+    };
     tokio::pin!(shutdown);
     loop {
         let (stream, remote) = tokio::select! {
             _ = &mut shutdown => break,
             // Never `None` while this thread holds `homes`, the senders' owner.
             Some(moved) = inbox.recv() => {
-                let moved_here = client(moved.arrival.remote, moved.arrival.local, None);
-                connections.spawn(moved_here.serve_moved(moved, drain.clone(), cut.clone()));
+                if let Some((moved_here, stream, came)) = take(moved) {
+                    connections.spawn(moved_here.serve(stream, came, drain.clone(), cut.clone()));
+                }
                 continue;
             }
             accepted = listener.accept() => match accepted {
@@ -274,7 +296,7 @@ async fn serve(
             continue;
         };
         let accepted = client(remote, local, Some(homes.clone()));
-        connections.spawn(accepted.serve(stream, drain.clone(), cut.clone()));
+        connections.spawn(accepted.serve(stream, Came::Accepted, drain.clone(), cut.clone()));
     }
     drop(listener);
     // Connections already on their way here are served like those accepted; any
@@ -283,8 +305,9 @@ async fn serve(
     // would report as an empty inbox, losing that connection.
     inbox.close();
     while let Some(moved) = inbox.recv().await {
-        let moved_here = client(moved.arrival.remote, moved.arrival.local, None);
-        connections.spawn(moved_here.serve_moved(moved, drain.clone(), cut.clone()));
+        if let Some((moved_here, stream, came)) = take(moved) {
+            connections.spawn(moved_here.serve(stream, came, drain.clone(), cut.clone()));
+        }
     }
 
     let grace = settings.shutdown_grace.0;
@@ -349,12 +372,41 @@ impl Client {
     /// which reads the first bytes itself and hands them back to hyper in front of the
     /// socket: hyper's read buffer then grows to 16 KiB on the very first request, which
     /// every waiting client connection paid (BENCHMARKS.md, "Queue memory").
-    async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
+    async fn serve(
+        self,
+        stream: TcpStream,
+        came: Came,
+        drain: CancellationToken,
+        cut: CancellationToken,
+    ) {
         let (local, remote) = (self.local, self.remote);
-        let give_up = Instant::now() + self.protocols.header_timeout;
-        let Some(version) = sniff_stream(&stream, give_up, &drain).await else {
-            tracing::debug!(%remote, "client sent no request");
-            return;
+        let (version, arrived, give_up) = match came {
+            Came::Accepted => {
+                let give_up = Instant::now() + self.protocols.header_timeout;
+                let Some(version) = sniff_stream(&stream, give_up, &drain).await else {
+                    tracing::debug!(%remote, "client sent no request");
+                    return;
+                };
+                (version, Instant::now(), give_up)
+            }
+            Came::Moved { arrived, give_up } => {
+                // As after the version peek on the thread that accepted it: the request's
+                // bytes are there once this thread's reactor has seen the new
+                // registration. Not bounded by the header timeout: the request had
+                // arrived whole when it moved.
+                let seen = tokio::select! {
+                    seen = stream.readable() => seen,
+                    () = cut.cancelled() => {
+                        report(remote, None);
+                        return;
+                    }
+                };
+                if let Err(e) = seen {
+                    tracing::debug!(%remote, error = %e, "moved connection failed");
+                    return;
+                }
+                (Sniffed::Http1, arrived, give_up)
+            }
         };
         let ended = match version {
             Sniffed::Http2 => {
@@ -365,104 +417,79 @@ impl Client {
                 Box::pin(serving).await
             }
             Sniffed::Http1 | Sniffed::NeedMore => {
+                let proxy = self.proxy;
                 let arrival = Arrival {
                     local,
                     remote,
-                    arrived: Instant::now(),
+                    arrived,
                     give_up,
                 };
-                self.serve_http1(stream, arrival, drain, &cut).await
+                let wait = early::wait_in_group(stream, &proxy, arrival, self.homes.as_ref(), &cut);
+                let ready = match wait.await {
+                    Ok(ready) => ready,
+                    Err(Ended::ClientLeft) => {
+                        tracing::debug!(%remote, "client left while its request waited");
+                        return;
+                    }
+                    Err(Ended::Cut) => {
+                        tracing::debug!(%remote, "connection cut at shutdown");
+                        return;
+                    }
+                    Err(Ended::Unregistered(e)) => {
+                        tracing::warn!(%remote, error = %e, "dropped a connection whose request waited: cannot watch its socket");
+                        return;
+                    }
+                    // Served by its group's thread from here on.
+                    Err(Ended::Moved) => return,
+                };
+                // hyper must read the request before it is told to finish (it closes a
+                // connection it has not read from): told when the first request is in.
+                let first_in = ready.registered_again.then(CancellationToken::new);
+                // The outcome of the wait goes with the first request only.
+                let first = std::cell::Cell::new(ready.admission);
+                let service = {
+                    // Taken by the first request: `cancel` (and `is_cancelled`) lock the
+                    // token, which the requests after it need not do.
+                    let first_in = std::cell::Cell::new(first_in.clone());
+                    service_fn(move |req| {
+                        if let Some(first_in) = first_in.take() {
+                            first_in.cancel();
+                        }
+                        let early = first.take();
+                        let answered = proxy.handle(req, local, early);
+                        async move { Ok::<_, Infallible>(answered.await) }
+                    })
+                };
+                let drain = async {
+                    if let Some(first_in) = first_in {
+                        first_in.cancelled().await;
+                    }
+                    drain.cancelled().await
+                };
+                let conn = self
+                    .protocols
+                    .http1
+                    .serve_connection(TokioIo::new(Coalesced::new(ready.stream)), service)
+                    .with_upgrades();
+                until_closed(conn, |c| c.graceful_shutdown(), drain, &cut).await
             }
         };
         report(remote, ended);
     }
+}
 
-    /// Serves an HTTP/1 connection that another serving thread moved here (`home`), its
-    /// first request still unread, as [`Client::serve`] would have from its peek on.
-    async fn serve_moved(self, moved: Moved, drain: CancellationToken, cut: CancellationToken) {
-        let remote = self.remote;
-        let stream = match TcpStream::from_std(moved.stream) {
-            Ok(stream) => stream,
-            Err(e) => {
-                tracing::warn!(%remote, error = %e, "dropped a connection moved to its group's thread: cannot watch its socket");
-                return;
-            }
-        };
-        // As after the version peek on the thread that accepted it: the request's bytes
-        // are there once this thread's reactor has seen the new registration. Not
-        // bounded by the header timeout: the request had arrived whole when it moved.
-        let seen = tokio::select! {
-            seen = stream.readable() => seen,
-            () = cut.cancelled() => {
-                report(remote, None);
-                return;
-            }
-        };
-        if let Err(e) = seen {
-            tracing::debug!(%remote, error = %e, "moved connection failed");
-            return;
-        }
-        let ended = self.serve_http1(stream, moved.arrival, drain, &cut).await;
-        report(remote, ended);
-    }
-
-    /// Serves an HTTP/1 connection from its first request on, once the version peek
-    /// has seen it: `None` when `cut` closed it, `Some(Ok(()))` too when it ended
-    /// before hyper served it (the client left, which is logged here, or it moved to
-    /// another thread).
-    async fn serve_http1(
-        self,
-        stream: TcpStream,
-        arrival: Arrival,
-        drain: CancellationToken,
-        cut: &CancellationToken,
-    ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
-        let wait = early::wait_in_group(stream, &proxy, arrival, self.homes.as_ref(), cut);
-        let ready = match wait.await {
-            Ok(ready) => ready,
-            Err(Ended::ClientLeft) => {
-                tracing::debug!(%remote, "client left while its request waited");
-                return Some(Ok(()));
-            }
-            Err(Ended::Cut) => return None,
-            Err(Ended::Unregistered(e)) => {
-                tracing::warn!(%remote, error = %e, "dropped a connection whose request waited: cannot watch its socket");
-                return Some(Ok(()));
-            }
-            Err(Ended::Moved) => return Some(Ok(())),
-        };
-        // hyper must read the request before it is told to finish (it closes a
-        // connection it has not read from): told when the first request is in.
-        let first_in = ready.registered_again.then(CancellationToken::new);
-        // The outcome of the wait goes with the first request only.
-        let first = std::cell::Cell::new(ready.admission);
-        let service = {
-            // Taken by the first request: `cancel` (and `is_cancelled`) lock the
-            // token, which the requests after it need not do.
-            let first_in = std::cell::Cell::new(first_in.clone());
-            service_fn(move |req| {
-                if let Some(first_in) = first_in.take() {
-                    first_in.cancel();
-                }
-                let early = first.take();
-                let answered = proxy.handle(req, local, early);
-                async move { Ok::<_, Infallible>(answered.await) }
-            })
-        };
-        let drain = async {
-            if let Some(first_in) = first_in {
-                first_in.cancelled().await;
-            }
-            drain.cancelled().await
-        };
-        let conn = self
-            .protocols
-            .http1
-            .serve_connection(TokioIo::new(Coalesced::new(ready.stream)), service)
-            .with_upgrades();
-        until_closed(conn, |c| c.graceful_shutdown(), drain, cut).await
-    }
+/// How a connection reached the thread that serves it.
+enum Came {
+    /// Accepted by this thread.
+    Accepted,
+    /// Moved here by the thread that accepted it (`home`), once its first request had
+    /// arrived whole; its bytes are still in the socket.
+    Moved {
+        /// When that request was seen.
+        arrived: Instant,
+        /// When its header timeout ends.
+        give_up: Instant,
+    },
 }
 
 /// Logs how a client connection ended, when that says something.
