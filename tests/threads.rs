@@ -87,3 +87,55 @@ async fn a_group_without_a_rate_is_served_where_its_connections_arrive() {
     assert_eq!(moved, 0);
     proxy.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_moved_to_their_groups_thread_are_served_during_the_grace() {
+    let upstream = Upstream::start(|_| Reply::ok("served")).await;
+    let mut proxy = start_proxy_on_threads(
+        r#"
+        [proxy]
+        shutdown_grace = "30s"
+
+        [[limit]]
+        name = "paced"
+        hosts = ["127.0.0.1"]
+        rate = "20/s"
+        "#,
+        3,
+    )
+    .await;
+    take_the_slot(&proxy, &upstream).await;
+
+    // Twelve new connections whose requests wait in the group when shutdown begins,
+    // those the other threads accepted on its home thread.
+    let (addr, authority) = (proxy.addr, upstream.authority());
+    let waiting: Vec<_> = (0..12)
+        .map(|i| {
+            let authority = authority.clone();
+            tokio::spawn(async move {
+                let get =
+                    format!("GET http://{authority}/w{i} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+                raw_request(addr, get.as_bytes()).await
+            })
+        })
+        .collect();
+    wait_queued(&proxy, "paced", 12).await;
+    let moved = counter(&proxy, r#"tollgate_connections_moved_total{group="paced"}"#).await;
+    assert!(moved >= 1, "none of 12 connections moved");
+    proxy.begin_shutdown();
+
+    // Each was asked before the listeners closed, so each is served, on whichever
+    // thread it waited, and its connection then closed.
+    for waited in waiting {
+        let response = waited.await.unwrap();
+        assert_eq!((response.status, response.text()), (200, "served".into()));
+        assert_eq!(response.header("connection"), Some("close"));
+    }
+    let mut paths = upstream.paths();
+    paths.sort();
+    let mut expected: Vec<String> = (0..12).map(|i| format!("/w{i}")).collect();
+    expected.push("/first".into());
+    expected.sort();
+    assert_eq!(paths, expected);
+    proxy.shutdown().await;
+}
