@@ -724,7 +724,10 @@ impl Group {
     async fn pace(&self, cost: u32, now: Instant) -> Result<(Instant, bool), Refusal> {
         if let Some(shared) = &self.shared {
             let rates = self.lock().rates.clone();
-            if let Some(booking) = shared.reserve(&self.name, &rates, cost).await {
+            // Boxed: the round trip's future is most of this one, and inline it would
+            // size every queued request's wait by it, with the memory store too.
+            let reserved = Box::pin(shared.reserve(&self.name, &rates, cost)).await;
+            if let Some(booking) = reserved {
                 let now = Instant::now(); // after the round trip
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: remember it, so requests that are
@@ -779,10 +782,9 @@ impl Group {
         };
         let mut poll = LEASE_POLL_MIN;
         loop {
-            match shared
-                .try_lease(&self.name, self.settings.concurrency)
-                .await
-            {
+            // Boxed, as the booking in `pace`.
+            let leased = Box::pin(shared.try_lease(&self.name, self.settings.concurrency)).await;
+            match leased {
                 Some(Some(lease)) => return Ok(Held::Lease(Box::new(lease))),
                 // Every lease is taken, on some replica: look again shortly.
                 Some(None) => {
@@ -1052,6 +1054,20 @@ mod tests {
             out.push(x);
         }
         out
+    }
+
+    /// The queued wait is boxed once per request that waits. mimalloc serves up to
+    /// 1 KiB from its per-size free lists; a bigger box took its general aligned path,
+    /// ≈ 145 instructions more per queued request (callgrind, BENCHMARKS.md "Eighteenth
+    /// session"). The shared store's round trips, boxed on their own, were what took it
+    /// past that.
+    #[tokio::test]
+    async fn the_queued_wait_fits_a_small_allocation() {
+        let g = group("10/s", |_| {});
+        let now = Instant::now();
+        let wait = g.wait_in_line_to_leave(1, now, now, false);
+        let size = std::mem::size_of_val(&wait);
+        assert!(size <= 1024, "the queued wait is {size} bytes, over 1024");
     }
 
     #[tokio::test(start_paused = true)]
