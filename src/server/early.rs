@@ -6,11 +6,11 @@
 //! a read buffer it keeps to notice a client that leaves, 8 KiB each and not a setting:
 //! a request waiting inside hyper held ≈ 15 KiB (BENCHMARKS.md, "Queue memory"). Here the
 //! first request is read with a peek, which leaves the bytes in the kernel's socket
-//! buffer, and classified as [`Proxy::handle`] will classify it. When its group would
-//! make it wait ([`Proxy::group_of`], [`crate::limit::Group::would_wait`]) it waits here, in the same queue and the same
-//! order as every other request of the group; hyper starts once it is admitted or
-//! refused, and the outcome rides with the connection to its first request
-//! ([`Admission`]), which the throttle does not queue again.
+//! buffer, and classified as [`Proxy::handle`] will classify it ([`Proxy::group_of`]).
+//! When its group would make it wait ([`Group::would_wait`]) it waits here, in the same
+//! queue and the same order as every other request of the group; hyper starts once it
+//! is admitted or refused, and the outcome rides with the connection to its first
+//! request ([`Admission`]), which the throttle does not queue again.
 //!
 //! Before it waits, a connection whose first request is for a group with a home on
 //! another serving thread goes there (`server::home`), and waits on that thread.

@@ -150,7 +150,7 @@ pub async fn serve_threads(
                     match TcpListener::from_std(socket) {
                         Ok(listener) => {
                             let on = Thread {
-                                sockets: listener,
+                                listener,
                                 homes,
                                 inbox,
                             };
@@ -182,7 +182,7 @@ pub async fn serve_threads(
         stop.cancel();
     };
     let on = Thread {
-        sockets: sockets.first,
+        listener: sockets.first,
         homes: first_homes,
         inbox: first_inbox,
     };
@@ -199,7 +199,7 @@ pub async fn serve_threads(
 /// What one serving thread takes connections from.
 struct Thread {
     /// Its listening socket.
-    sockets: TcpListener,
+    listener: TcpListener,
     /// Every thread's inbox, for connections that belong on another thread.
     homes: Homes,
     /// Its own inbox: connections other threads moved here.
@@ -238,7 +238,7 @@ async fn serve(
     let drain = CancellationToken::new();
     let cut = CancellationToken::new();
     let Thread {
-        sockets: listener,
+        listener,
         homes,
         mut inbox,
     } = on;
