@@ -9,6 +9,15 @@ use std::time::Duration;
 
 use support::*;
 
+/// One group for the loopback upstream at 20/s: one thread's work, so it has a home
+/// thread, and requests leave 50 ms apart.
+const PACED: &str = r#"
+[[limit]]
+name = "paced"
+hosts = ["127.0.0.1"]
+rate = "20/s"
+"#;
+
 /// The value of the counter `series` (name and labels) in the proxy's `/metrics`.
 async fn counter(proxy: &Proxy, series: &str) -> u64 {
     let metrics = admin_get(proxy, "/metrics").await;
@@ -22,16 +31,7 @@ async fn counter(proxy: &Proxy, series: &str) -> u64 {
 #[tokio::test]
 async fn threads_share_one_budget_and_a_paced_group_is_served_by_one_of_them() {
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
-    let proxy = start_proxy_on_threads(
-        r#"
-        [[limit]]
-        name = "paced"
-        hosts = ["127.0.0.1"]
-        rate = "20/s"
-        "#,
-        3,
-    )
-    .await;
+    let proxy = start_proxy_on_threads(PACED, 3).await;
 
     // 40 requests at once, each on a connection of its own (nothing is idle in the
     // client's pool while they all wait), so the kernel spreads them over the threads.
@@ -91,19 +91,8 @@ async fn a_group_without_a_rate_is_served_where_its_connections_arrive() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_moved_to_their_groups_thread_are_served_during_the_grace() {
     let upstream = Upstream::start(|_| Reply::ok("served")).await;
-    let mut proxy = start_proxy_on_threads(
-        r#"
-        [proxy]
-        shutdown_grace = "30s"
-
-        [[limit]]
-        name = "paced"
-        hosts = ["127.0.0.1"]
-        rate = "20/s"
-        "#,
-        3,
-    )
-    .await;
+    let config = format!("[proxy]\nshutdown_grace = \"30s\"\n{PACED}");
+    let mut proxy = start_proxy_on_threads(&config, 3).await;
     take_the_slot(&proxy, &upstream).await;
 
     // Twelve new connections whose requests wait in the group when shutdown begins,
