@@ -255,6 +255,13 @@ pub struct Rate {
     pub period: Duration,
 }
 
+impl Rate {
+    /// Requests (cost units) a second, on average over the period.
+    pub fn per_second(&self) -> f64 {
+        self.limit as f64 / self.period.as_secs_f64()
+    }
+}
+
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

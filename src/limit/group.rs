@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use super::gcra::{self, Gcra};
 use super::shared::{Lease, Shared};
-use crate::config::{GroupSettings, OnBackendError};
+use crate::config::{GroupSettings, OnBackendError, Rate};
 use crate::metrics::GroupMetrics;
 
 /// Why a request was not admitted.
@@ -193,9 +193,8 @@ impl Group {
             .iter()
             .map(|r| Gcra::new(r.limit, r.period, settings.burst))
             .collect();
-        let per_second = |r: &crate::config::Rate| r.limit as f64 / r.period.as_secs_f64();
         let min_factor = match (settings.min_rate, settings.rates.first()) {
-            (Some(min), Some(rate)) => (per_second(&min) / per_second(rate)).clamp(1e-6, 1.0),
+            (Some(min), Some(rate)) => (min.per_second() / rate.per_second()).clamp(1e-6, 1.0),
             _ => ADAPTIVE_FLOOR,
         };
         let now = Instant::now();
@@ -229,8 +228,12 @@ impl Group {
     /// Whether its rates keep it within one serving thread's work: the slowest of them
     /// lets at most [`ONE_THREAD_RATE`] requests a second leave. No rate, no bound.
     pub fn paced_for_one_thread(&self) -> bool {
-        let per_second = |r: &crate::config::Rate| r.limit as f64 / r.period.as_secs_f64();
-        let slowest = self.settings.rates.iter().map(per_second).reduce(f64::min);
+        let slowest = self
+            .settings
+            .rates
+            .iter()
+            .map(Rate::per_second)
+            .reduce(f64::min);
         slowest.is_some_and(|rate| rate <= ONE_THREAD_RATE)
     }
 
@@ -979,7 +982,7 @@ impl std::fmt::Debug for Permit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Rate, Rates};
+    use crate::config::Rates;
     use crate::metrics::Metrics;
 
     fn group(rate: &str, f: impl FnOnce(&mut GroupSettings)) -> Arc<Group> {
