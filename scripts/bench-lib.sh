@@ -26,3 +26,18 @@ nginx_limit() {
     limit_req="limit_req zone=global burst=100000;"
   fi
 }
+
+# An awk function for the scripts' medians, to put in front of an awk program:
+# median(list) of a space-separated list of numbers. Sorted by hand: mawk, Debian's
+# default awk, has no asort.
+awk_median='
+  function median(list,   v, n, i, j, x, k) {
+    n = split(list, v, " ")
+    for (i = 2; i <= n; i++) {
+      x = v[i] + 0
+      for (j = i - 1; j >= 1 && v[j] + 0 > x; j--) v[j + 1] = v[j]
+      v[j + 1] = x
+    }
+    k = int((n + 1) / 2)
+    return (n % 2) ? v[k] : (v[k] + v[k + 1]) / 2
+  }'
