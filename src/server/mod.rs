@@ -22,7 +22,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, Request};
+use futures_util::FutureExt;
+use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
@@ -32,7 +33,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{self, Holding};
+use crate::body::{self, Body, Holding};
 use crate::coalesce::Coalesced;
 use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::{Config, ConfigError, ProxyConfig};
@@ -456,8 +457,9 @@ impl Client {
                             first_in.cancel();
                         }
                         let early = first.take();
-                        let answered = proxy.handle(req, local, early);
-                        async move { Ok::<_, Infallible>(answered.await) }
+                        // Mapped rather than awaited in an `async` block, which would
+                        // hold the request's future twice (captured, and awaited).
+                        proxy.handle(req, local, early).map(infallible)
                     })
                 };
                 let drain = async {
@@ -501,6 +503,13 @@ fn report(remote: SocketAddr, ended: Option<Result<(), hyper::Error>>) {
         }
         None => tracing::debug!(%remote, "connection cut at shutdown"),
     }
+}
+
+/// A response as hyper's service wants it. A function rather than `Ok` itself: rustc
+/// cannot prove the future that maps with `Ok` is `Send` (the boxed error type's lifetime
+/// in `Body`, the higher-ranked limitation `crate::limit::layer::BoxFuture` speaks of).
+fn infallible(response: Response<Body>) -> Result<Response<Body>, Infallible> {
+    Ok(response)
 }
 
 /// Serves an HTTP/2 connection until it ends. hyper's HTTP/2 server has no header
