@@ -104,19 +104,18 @@ impl Key {
         }
     }
 
-    /// The URI the connector dials.
-    fn uri(&self) -> Uri {
+    /// The absolute URI of `path` (an origin-form URI) at this key's upstream; with "/",
+    /// the URI the connector dials.
+    fn uri_with(&self, path: Uri) -> Uri {
         let scheme = if self.https {
             Scheme::HTTPS
         } else {
             Scheme::HTTP
         };
-        Uri::builder()
-            .scheme(scheme)
-            .authority(self.authority.clone())
-            .path_and_query("/")
-            .build()
-            .expect("a scheme and an authority make a URI")
+        let mut parts = path.into_parts();
+        parts.scheme = Some(scheme);
+        parts.authority = Some(self.authority.clone());
+        Uri::from_parts(parts).expect("a scheme, an authority and a path make a URI")
     }
 }
 
@@ -197,11 +196,12 @@ impl Pool {
     ) -> impl Future<Output = Result<Response<Body>, BoxError>> + Send + 'static {
         let pool = self.inner.clone();
         async move {
-            // Taken out rather than cloned: each attempt sets the form its connection
-            // needs (a clone is two reference counts up, and down again, per request).
-            let uri = std::mem::take(req.uri_mut());
-            let key =
-                Key::of(&uri).ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
+            // The URI is not kept beside the request: its scheme and authority are the
+            // key, and each attempt sets the form its connection needs from the key and
+            // the request's path. (This future is boxed for every request and written
+            // whole each time: a URI kept here made it 88 bytes bigger.)
+            let key = Key::of(req.uri())
+                .ok_or_else(|| ProxyError::BadRequest(format!("no host in {}", req.uri())))?;
             loop {
                 let (conn, reused) = match pool.checkout(&key) {
                     Some(conn) => (conn, true),
@@ -213,14 +213,14 @@ impl Pool {
                 let mut sent = match conn {
                     Conn::Http1(mut sender, home) => {
                         // HTTP/1.1 names the path only; the authority is in `Host`.
-                        *req.uri_mut() = origin_form(&uri);
+                        *req.uri_mut() = origin_form(req.uri());
                         match sender.try_send_request(req).await {
                             Ok(response) => return Ok(returning(response, sender, home, held)),
                             Err(e) => e,
                         }
                     }
                     Conn::Http2(mut sender) => {
-                        *req.uri_mut() = uri.clone();
+                        *req.uri_mut() = key.uri_with(origin_form(req.uri()));
                         match sender.try_send_request(req).await {
                             Ok(response) => {
                                 return Ok(response.map(|b| body::boxed(Holding::new(b, held))))
@@ -233,7 +233,10 @@ impl Pool {
                     // The reused connection had closed before the request went out: the
                     // upstream never saw it, so it goes again, on a new connection.
                     Some(back) if reused => {
-                        tracing::debug!(%uri, "pooled connection was closed; sending again");
+                        tracing::debug!(
+                            authority = %key.authority,
+                            "pooled connection was closed; sending again"
+                        );
                         req = back;
                     }
                     _ => return Err(sent.into_error().into()),
@@ -274,7 +277,7 @@ impl Inner {
         // Once per new connection, so the copy costs nothing that matters.
         let key = &key.owned();
         let mut connector = self.connector.clone();
-        let io = connector.call(key.uri()).await?;
+        let io = connector.call(key.uri_with(Uri::from_static("/"))).await?;
         let conn = if io.connected().is_negotiated_h2() {
             // Pings, so that a connection the network dropped silently is noticed
             // (without them it would stay "ready", and every request on it time out).
