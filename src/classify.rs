@@ -33,90 +33,11 @@ pub struct Target {
     /// How the request reached tollgate.
     pub kind: Kind,
     /// Upstream host, lower-cased (IPv6 literals keep their brackets).
-    pub host: Host,
+    pub host: String,
     /// Upstream port.
     pub port: u16,
     /// The `[[limit]]` group named by the route, if any.
     pub limit: Option<String>,
-}
-
-/// A target's host, lower-cased.
-///
-/// Nearly every host already is, and then this shares the bytes of the authority it
-/// was found in rather than copying them: the copy was an allocation, and its free, per
-/// request. Sharing took ≈ 15 of the ≈ 370 simulated L1 data misses off a forwarded
-/// request, at the same instruction count (callgrind; BENCHMARKS.md, "Twentieth
-/// session").
-#[derive(Clone)]
-pub struct Host(HostText);
-
-#[derive(Clone)]
-enum HostText {
-    /// Bytes `start..end` of an authority, lower-case already.
-    Shared(Authority, u16, u16),
-    /// A lower-cased copy.
-    Owned(String),
-}
-
-impl Host {
-    /// `host`, a slice of `authority`'s text (as [`host_and_port`] cuts it), lower-cased.
-    fn of(authority: &Authority, host: &str) -> Host {
-        let text = authority.as_str();
-        // Where `host` starts in `text`: it is a slice of it.
-        let start = host.as_ptr() as usize - text.as_ptr() as usize;
-        let end = start + host.len();
-        match (u16::try_from(start), u16::try_from(end)) {
-            (Ok(start), Ok(end)) if !host.bytes().any(|b| b.is_ascii_uppercase()) => {
-                Host(HostText::Shared(authority.clone(), start, end))
-            }
-            _ => Host(HostText::Owned(host.to_ascii_lowercase())),
-        }
-    }
-
-    /// The host, as text.
-    pub fn as_str(&self) -> &str {
-        match &self.0 {
-            HostText::Shared(authority, start, end) => {
-                &authority.as_str()[usize::from(*start)..usize::from(*end)]
-            }
-            HostText::Owned(host) => host,
-        }
-    }
-}
-
-/// A host given as text (tests, and targets built by hand), lower-cased.
-impl From<&str> for Host {
-    fn from(host: &str) -> Host {
-        Host(HostText::Owned(host.to_ascii_lowercase()))
-    }
-}
-
-impl std::ops::Deref for Host {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        self.as_str()
-    }
-}
-
-impl PartialEq for Host {
-    fn eq(&self, other: &Host) -> bool {
-        self.as_str() == other.as_str()
-    }
-}
-
-impl Eq for Host {}
-
-impl std::fmt::Debug for Host {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(self.as_str(), f)
-    }
-}
-
-impl std::fmt::Display for Host {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// Classifies requests against the configured routes and CONNECT ports.
@@ -183,7 +104,7 @@ impl Classifier {
         }
         Ok(Target {
             kind: Kind::Tunnel,
-            host: Host::of(authority, host),
+            host: host.to_ascii_lowercase(),
             port,
             limit: None,
         })
@@ -260,7 +181,7 @@ fn forward(
     }
     Ok(Target {
         kind: Kind::Forward,
-        host: Host::of(authority, host),
+        host: host.to_ascii_lowercase(),
         port,
         limit: None,
     })
@@ -272,7 +193,7 @@ fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Target {
     let (host, port) = host_and_port(authority);
     Target {
         kind,
-        host: Host::of(authority, host),
+        host: host.to_ascii_lowercase(),
         port: port.unwrap_or(default_port(scheme)),
         limit: None,
     }
@@ -393,23 +314,7 @@ mod tests {
             let authority = Authority::try_from(text).unwrap();
             let expected = (authority.host(), authority.port_u16());
             assert_eq!(host_and_port(&authority), expected, "{text}");
-            // The host a target keeps is the same text, lower-cased, whether it shares
-            // the authority's bytes or had to be copied.
-            let host = Host::of(&authority, host_and_port(&authority).0);
-            assert_eq!(host.as_str(), expected.0.to_ascii_lowercase(), "{text}");
         }
-    }
-
-    #[test]
-    fn a_lower_case_host_shares_the_authority_and_any_other_is_copied_lower_cased() {
-        let lower = Authority::from_static("user@api.example:8443");
-        let host = Host::of(&lower, host_and_port(&lower).0);
-        assert!(matches!(host.0, HostText::Shared(_, 5, 16)), "{host:?}");
-        assert_eq!(&*host, "api.example");
-        let mixed = Authority::from_static("API.Example:8443");
-        let host = Host::of(&mixed, host_and_port(&mixed).0);
-        assert!(matches!(&host.0, HostText::Owned(text) if text == "api.example"));
-        assert_eq!(host, Host::from("api.example"));
     }
 
     #[test]
@@ -432,16 +337,16 @@ mod tests {
         };
         assert_eq!(
             target("http://[::1]:9000/x"),
-            (Kind::Forward, "[::1]".into(), 9000)
+            (Kind::Forward, "[::1]".to_string(), 9000)
         );
         // An empty port is the scheme's default, as for no port at all.
         assert_eq!(
             target("http://example.com:/x"),
-            (Kind::Forward, "example.com".into(), 80)
+            (Kind::Forward, "example.com".to_string(), 80)
         );
         assert_eq!(
             target("https://example.com/x"),
-            (Kind::Forward, "example.com".into(), 443)
+            (Kind::Forward, "example.com".to_string(), 443)
         );
     }
 
