@@ -185,9 +185,10 @@ fn with_permit(mut exchange: Exchange, permit: Permit) -> Exchange {
     exchange
 }
 
-/// The future of every service in the stack. The inner service must return one too:
-/// awaiting a generic `S::Future` inside the `async` block makes rustc demand `Send` for
-/// every lifetime of the boxed error type in `Body` (a known limitation of its
+/// The future of the throttle and of the dispatch below it (push-back's is a named type
+/// of its own, `crate::pushback::Pushing`, held unboxed). The inner service must return
+/// one too: awaiting a generic `S::Future` inside the `async` block makes rustc demand
+/// `Send` for every lifetime of the boxed error type in `Body` (a known limitation of its
 /// higher-ranked reasoning), and re-boxing it to erase the type cost an allocation per
 /// layer per request.
 pub type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
