@@ -220,7 +220,11 @@ impl Pool {
                         }
                     }
                     Conn::Http2(mut sender) => {
-                        *req.uri_mut() = key.uri_with(origin_form(req.uri()));
+                        // HTTP/2 sends the absolute form: the request's own, unless an
+                        // HTTP/1.1 attempt before this one cut it to its path.
+                        if req.uri().scheme().is_none() {
+                            *req.uri_mut() = key.uri_with(origin_form(req.uri()));
+                        }
                         match sender.try_send_request(req).await {
                             Ok(response) => {
                                 return Ok(response.map(|b| body::boxed(Holding::new(b, held))))
