@@ -10,6 +10,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use compact_str::CompactString;
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Method, Request, Version};
 
@@ -32,8 +33,10 @@ pub enum Kind {
 pub struct Target {
     /// How the request reached tollgate.
     pub kind: Kind,
-    /// Upstream host, lower-cased (IPv6 literals keep their brackets).
-    pub host: String,
+    /// Upstream host, lower-cased (IPv6 literals keep their brackets). Inline for a
+    /// host of up to 24 bytes, nearly every API's: a `String` was an allocation and a
+    /// free per request.
+    pub host: CompactString,
     /// Upstream port.
     pub port: u16,
     /// The `[[limit]]` group named by the route, if any.
@@ -104,7 +107,7 @@ impl Classifier {
         }
         Ok(Target {
             kind: Kind::Tunnel,
-            host: host.to_ascii_lowercase(),
+            host: lowercased(host),
             port,
             limit: None,
         })
@@ -181,7 +184,7 @@ fn forward(
     }
     Ok(Target {
         kind: Kind::Forward,
-        host: host.to_ascii_lowercase(),
+        host: lowercased(host),
         port,
         limit: None,
     })
@@ -193,10 +196,17 @@ fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Target {
     let (host, port) = host_and_port(authority);
     Target {
         kind,
-        host: host.to_ascii_lowercase(),
+        host: lowercased(host),
         port: port.unwrap_or(default_port(scheme)),
         limit: None,
     }
+}
+
+/// `host` lower-cased, inline when it is short (see [`Target::host`]).
+fn lowercased(host: &str) -> CompactString {
+    let mut host = CompactString::from(host);
+    host.make_ascii_lowercase();
+    host
 }
 
 /// `authority`'s host and port, found as [`Authority::host`] and [`Authority::port_u16`]
@@ -333,7 +343,7 @@ mod tests {
         let c = classifier("");
         let target = |uri: &str| {
             let t = run(&c, Method::GET, uri).0.unwrap();
-            (t.kind, t.host, t.port)
+            (t.kind, t.host.to_string(), t.port)
         };
         assert_eq!(
             target("http://[::1]:9000/x"),
@@ -347,6 +357,15 @@ mod tests {
         assert_eq!(
             target("https://example.com/x"),
             (Kind::Forward, "example.com".to_string(), 443)
+        );
+        // Longer than a host kept inline (24 bytes): lower-cased all the same.
+        assert_eq!(
+            target("https://GenerativeLanguage.GoogleAPIs.com/v1"),
+            (
+                Kind::Forward,
+                "generativelanguage.googleapis.com".to_string(),
+                443
+            )
         );
     }
 
