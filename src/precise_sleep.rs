@@ -8,7 +8,7 @@
 //! time in the queue is its departure minus the departure of the request before it on the
 //! same client connection, so that lateness, varying from one departure to the next, was
 //! the whole spread of queueing latency at rates near one request per millisecond
-//! (BENCHMARKS.md, "Eighth session").
+//! (docs/performance-log.md, "Eighth session").
 //!
 //! Here the deadline is also armed on a Linux `timerfd` (a kernel high-resolution timer)
 //! watched by the runtime's reactor, and the sleep ends when either fires. Neither ends

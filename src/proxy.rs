@@ -274,7 +274,7 @@ mod tests {
 
     /// The layers' futures are written or moved for every request (push-back's into the
     /// slot hyper keeps per connection, the others into boxes): each was brought under
-    /// the small-allocation limit (BENCHMARKS.md, "Fourth session run"), and an
+    /// the small-allocation limit (docs/performance-log.md, "Fourth session run"), and an
     /// innocent-looking change (an `async fn` taking the request by value, a new local
     /// held across an `.await`) can double one without any test of behaviour noticing.
     #[tokio::test]

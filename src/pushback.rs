@@ -168,7 +168,7 @@ where
 /// per request, and it is less than half the `async` block's size (312 bytes against
 /// 696: the block held the exchange it captured beside the request it became). That
 /// took ≈ 450 instructions and ≈ 25 L1 data misses off a forwarded request
-/// (BENCHMARKS.md, "Twentieth session").
+/// (docs/performance-log.md, "Twentieth session").
 pub struct Pushing<S: Service<Exchange>> {
     /// The throttle, called for each attempt.
     inner: S,
@@ -267,7 +267,7 @@ where
 /// Why not every request that waits: skipping the copy took a median 1.6k instructions
 /// off a queued request with a `Host` header alone (≈ 4 %) and 3.1k with seven headers
 /// (≈ 6 %) (callgrind, together with [`worth_detaching`]'s test replacing a dearer one,
-/// ≈ 0.15k of that; BENCHMARKS.md, "Thirteenth session"), and what the copy saves is
+/// ≈ 0.15k of that; docs/performance-log.md, "Thirteenth session"), and what the copy saves is
 /// memory, which only counts when many wait: ≈ 4 KiB resident per waiting request on an
 /// HTTP/1 connection (of the 8 KiB buffer hyper must then allocate anew). A request
 /// that joins a shorter queue keeps the buffer, so in each group at most this many

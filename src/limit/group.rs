@@ -79,7 +79,7 @@ pub struct Group {
 
 /// A group whose rates let at most this many requests a second leave is served by one
 /// thread ([`Group::home`]): half of what one serving thread forwards on the 2-core
-/// machines measured (≈ 40 000/s pinned, BENCHMARKS.md), so that the thread has room
+/// machines measured (≈ 40 000/s pinned, docs/performance-log.md), so that the thread has room
 /// for it and for the other work it serves.
 pub const ONE_THREAD_RATE: f64 = 20_000.0;
 
@@ -251,7 +251,7 @@ impl Group {
     /// Why: the head of a paced queue releases the requests behind it, and a request
     /// waiting on another serving thread is woken across threads, an idle thread woken
     /// for each release. At 10 000 requests/s on two threads that cost 3.4 µs of CPU per
-    /// request more than one thread serving them all (BENCHMARKS.md, "Seventeenth
+    /// request more than one thread serving them all (docs/performance-log.md, "Seventeenth
     /// session"). A group paced within one thread's work ([`Group::paced_for_one_thread`])
     /// is given a home by [`crate::limit::Limits`], and the server moves a connection
     /// whose first request is for it to that thread before the request waits
@@ -1069,7 +1069,7 @@ mod tests {
     /// The queued wait is boxed once per request that waits, and written whole into
     /// its box each time. mimalloc serves up to 1 KiB from its per-size free lists; a
     /// bigger box took its general aligned path, ≈ 145 instructions more per queued
-    /// request (callgrind, BENCHMARKS.md "Eighteenth session"). The shared store's round
+    /// request (callgrind, docs/performance-log.md "Eighteenth session"). The shared store's round
     /// trips, boxed on their own, were what took it past that. The head's wait (its
     /// precise sleep above all) is boxed apart too: inline it made every queued
     /// request's box 864 bytes, ≈ 10 more data-cache misses per queued request than the
