@@ -3,7 +3,7 @@
 //! with none of tollgate's work (no classification, groups, push-back, timeouts, header
 //! rewriting, metrics or tower layers).
 //!
-//! It exists to be measured beside tollgate (BENCHMARKS.md, "Ninth session"): what it
+//! It exists to be measured beside tollgate (docs/performance-log.md, "Ninth session"): what it
 //! costs per request is what the libraries cost, and tollgate's own cost is the rest.
 //! Not a proxy to use: it forwards absolute-form `http://` requests and nothing else,
 //! never times out, and keeps every idle upstream connection until the upstream closes it.
@@ -14,6 +14,10 @@
 //! scripts/bench-forward-cpu --nginx target/release/tollgate target/release/examples/hyper_floor
 //! ```
 //!
+//! Beside tollgate's shipped build, measure the floor built the same way:
+//! `scripts/build-pgo --floor` (profile-guided, trained by one `bench-forward-cpu` run)
+//! leaves it at `target/pgo/floor/hyper_floor`.
+//!
 //! It serves as tollgate does: one single-threaded runtime per CPU it may use, each with
 //! its own `SO_REUSEPORT` socket and its own idle upstream connections. It listens on the
 //! address given first, or on the `listen` of a `--config FILE` (which
@@ -22,7 +26,7 @@
 //! It writes as hyper does by default, a `writev` per message. tollgate sends a small
 //! message with one `send` instead (`src/coalesce.rs`), which costs the kernel less: its
 //! system time per request is no longer above the floor's by much, and the comparison
-//! that still tells is user time (BENCHMARKS.md, "Tenth session").
+//! that still tells is user time (docs/performance-log.md, "Tenth session").
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -59,6 +63,23 @@ fn main() {
             .unwrap_or_else(|| "127.0.0.1:18181".into())
             .parse()
             .expect("the first argument is the address to listen on")
+    });
+    // SIGTERM (how the benchmark scripts stop it) ends the process through `exit`, so
+    // that a build instrumented for profile-guided optimisation writes its counts then
+    // (`scripts/build-pgo --floor`); a process killed by the signal writes nothing.
+    // The handler is in place before the first connection is served.
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let mut term = {
+        let _inside = signals.enter();
+        let kind = tokio::signal::unix::SignalKind::terminate();
+        tokio::signal::unix::signal(kind).expect("a SIGTERM handler")
+    };
+    std::thread::spawn(move || {
+        signals.block_on(term.recv());
+        std::process::exit(0);
     });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let handles: Vec<_> = (0..threads)
