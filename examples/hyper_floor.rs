@@ -3,9 +3,9 @@
 //! with none of tollgate's work (no classification, groups, push-back, timeouts, header
 //! rewriting, metrics or tower layers).
 //!
-//! It exists to be measured beside tollgate (docs/performance-log.md, "Ninth session"): what it
-//! costs per request is what the libraries cost, and tollgate's own cost is the rest.
-//! Not a proxy to use: it forwards absolute-form `http://` requests and nothing else,
+//! It exists to be measured beside tollgate (docs/performance-log.md, "Ninth session"):
+//! what it costs per request is what the libraries cost, and tollgate's own cost is the
+//! rest. Not a proxy to use: it forwards absolute-form `http://` requests and nothing else,
 //! never times out, and keeps every idle upstream connection until the upstream closes it.
 //!
 //! ```text

@@ -1,10 +1,10 @@
 //! The workload a profile-guided build of tollgate learns from (`scripts/build-pgo`).
 //!
-//! A PGO build runs an instrumented tollgate once under a realistic load, records how
-//! often each branch and call was taken, and compiles tollgate again with that record,
-//! so the compiler lays out and inlines the request path for the way it actually runs
-//! (docs/performance-log.md, "Sixteenth session"). This program is that load. It starts real
-//! loopback upstreams (plain http and TLS, from the tests' `support` module), runs the
+//! A PGO build runs an instrumented tollgate once under a realistic load, records how often
+//! each branch and call was taken, and compiles tollgate again with that record, so the
+//! compiler lays out and inlines the request path for the way it actually runs
+//! (docs/performance-log.md, "Sixteenth session"). This program is that load. It starts
+//! real loopback upstreams (plain http and TLS, from the tests' `support` module), runs the
 //! tollgate binary it is given as a child process with a configuration of its own, and
 //! drives it the ways apps do, in proportions that put the forward path first:
 //!

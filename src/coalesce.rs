@@ -9,10 +9,11 @@
 //! buffers of up to [`SMALL`] bytes in all is gathered into one buffer first; bigger
 //! ones stay vectored, so a big body is still never copied.
 //!
-//! Measured on a forwarded request (`scripts/bench-forward-cpu`, pinned; docs/performance-log.md,
-//! "Tenth session"): this took 0.6 µs off its 18.4 µs of CPU. hyper's own switch
-//! (`writev(false)`: every message flattened into one buffer) took 0.8 µs, but made a
-//! 1 MiB response cost 37 % more, its body copied; with this adapter it costs what it did.
+//! Measured on a forwarded request (`scripts/bench-forward-cpu`, pinned;
+//! docs/performance-log.md, "Tenth session"): this took 0.6 µs off its 18.4 µs of CPU.
+//! hyper's own switch (`writev(false)`: every message flattened into one buffer) took 0.8
+//! µs, but made a 1 MiB response cost 37 % more, its body copied; with this adapter it
+//! costs what it did.
 
 use std::cell::RefCell;
 use std::io::{self, IoSlice};

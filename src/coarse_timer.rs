@@ -3,15 +3,15 @@
 //! `response_timeout` on requests sent upstream ([`CoarseTimer::timeout`]).
 //!
 //! Both start a deadline for every request and nearly always drop it unexpired. hyper
-//! starts a new sleep each time an HTTP/1 connection waits for a request head, which on
-//! a kept-alive connection is once per request, and drops it when the head arrives.
-//! With tokio's timer each of these was an entry put into and taken out of the
-//! runtime's timer wheel under its lock, and most also woke the runtime's driver through
-//! its eventfd (tokio does so when a new deadline may be earlier than the one the driver
-//! sleeps until): 0.77 `write` calls per forwarded request. This timer took 1.4 µs off
-//! the 26 µs of CPU a forwarded request cost (docs/performance-log.md, "Fifth session: what the
-//! profile showed and what changed"). The response timeout on tokio's timer cost 660 of
-//! the 34.1k instructions of a forwarded request, this one 340 (callgrind; docs/performance-log.md,
+//! starts a new sleep each time an HTTP/1 connection waits for a request head, which on a
+//! kept-alive connection is once per request, and drops it when the head arrives. With
+//! tokio's timer each of these was an entry put into and taken out of the runtime's timer
+//! wheel under its lock, and most also woke the runtime's driver through its eventfd (tokio
+//! does so when a new deadline may be earlier than the one the driver sleeps until): 0.77
+//! `write` calls per forwarded request. This timer took 1.4 µs off the 26 µs of CPU a
+//! forwarded request cost (docs/performance-log.md, "Fifth session: what the profile showed
+//! and what changed"). The response timeout on tokio's timer cost 660 of the 34.1k
+//! instructions of a forwarded request, this one 340 (callgrind; docs/performance-log.md,
 //! "Seventh session").
 //!
 //! These timeouts guard against peers that stall, and are set in seconds; they need no

@@ -264,16 +264,16 @@ where
 /// A request joining a queue of at least this many is copied out of its client
 /// connection's read buffer first ([`Replayable::detach_from_connection`]).
 ///
-/// Why not every request that waits: skipping the copy took a median 1.6k instructions
-/// off a queued request with a `Host` header alone (≈ 4 %) and 3.1k with seven headers
-/// (≈ 6 %) (callgrind, together with [`worth_detaching`]'s test replacing a dearer one,
-/// ≈ 0.15k of that; docs/performance-log.md, "Thirteenth session"), and what the copy saves is
-/// memory, which only counts when many wait: ≈ 4 KiB resident per waiting request on an
-/// HTTP/1 connection (of the 8 KiB buffer hyper must then allocate anew). A request
-/// that joins a shorter queue keeps the buffer, so in each group at most this many
-/// waiting requests do (≈ 0.5 MiB; the depth is read just before joining, so requests
-/// arriving together on several threads can overshoot it by a few). A deep queue, the
-/// case the copy is for, is copied as before.
+/// Why not every request that waits: skipping the copy took a median 1.6k instructions off
+/// a queued request with a `Host` header alone (≈ 4 %) and 3.1k with seven headers (≈ 6 %)
+/// (callgrind, together with [`worth_detaching`]'s test replacing a dearer one, ≈ 0.15k of
+/// that; docs/performance-log.md, "Thirteenth session"), and what the copy saves is memory,
+/// which only counts when many wait: ≈ 4 KiB resident per waiting request on an HTTP/1
+/// connection (of the 8 KiB buffer hyper must then allocate anew). A request that joins a
+/// shorter queue keeps the buffer, so in each group at most this many waiting requests do
+/// (≈ 0.5 MiB; the depth is read just before joining, so requests arriving together on
+/// several threads can overshoot it by a few). A deep queue, the case the copy is for, is
+/// copied as before.
 const DETACH_BEHIND: usize = 128;
 
 /// Whether a request about to queue in `group` should copy its head out of the client

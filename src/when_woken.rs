@@ -5,17 +5,16 @@
 //!
 //! * [`WhenWoken`]: a client connection's task waits for hyper's connection and for the
 //!   shutdown signal. Polling a `CancellationToken`'s future that is not ready locks its
-//!   `Notify` to refresh the stored waker, twice per request, for a signal that comes
-//!   once in the process's life. Gated, a forwarded request costs 330 fewer
-//!   instructions of 32.8k (callgrind, docs/performance-log.md "Ninth session").
-//! * [`ReadsWhenWoken`]: hyper's client connection tries a read from its upstream
-//!   whenever its task is polled (a request to send, the response body asking for
-//!   more), about six times per request, most of which find nothing. Over plain TCP
-//!   such a try is a readiness check; over TLS each goes through tokio-rustls and rustls
-//!   (a read into the record buffer, a `WouldBlock` error made and matched), ≈ 380
-//!   instructions. Gated, tokio-rustls's reads per request fell from 7 to 3 and a
-//!   TLS-routed request cost 1.4k fewer instructions of 39k (callgrind, docs/performance-log.md
-//!   "Tenth session").
+//!   `Notify` to refresh the stored waker, twice per request, for a signal that comes once
+//!   in the process's life. Gated, a forwarded request costs 330 fewer instructions of
+//!   32.8k (callgrind, docs/performance-log.md "Ninth session").
+//! * [`ReadsWhenWoken`]: hyper's client connection tries a read from its upstream whenever
+//!   its task is polled (a request to send, the response body asking for more), about six
+//!   times per request, most of which find nothing. Over plain TCP such a try is a
+//!   readiness check; over TLS each goes through tokio-rustls and rustls (a read into the
+//!   record buffer, a `WouldBlock` error made and matched), ≈ 380 instructions. Gated,
+//!   tokio-rustls's reads per request fell from 7 to 3 and a TLS-routed request cost 1.4k
+//!   fewer instructions of 39k (callgrind, docs/performance-log.md "Tenth session").
 //!
 //! The inner work gets a waker of its own (`Gate`, crate-private): it records that the
 //! inner work asked to be polled, then wakes the task. A poll that finds no such record

@@ -79,8 +79,8 @@ pub struct Group {
 
 /// A group whose rates let at most this many requests a second leave is served by one
 /// thread ([`Group::home`]): half of what one serving thread forwards on the 2-core
-/// machines measured (≈ 40 000/s pinned, docs/performance-log.md), so that the thread has room
-/// for it and for the other work it serves.
+/// machines measured (≈ 40 000/s pinned, docs/performance-log.md), so that the thread has
+/// room for it and for the other work it serves.
 pub const ONE_THREAD_RATE: f64 = 20_000.0;
 
 /// What changes as requests come and go.
@@ -1066,14 +1066,14 @@ mod tests {
         out
     }
 
-    /// The queued wait is boxed once per request that waits, and written whole into
-    /// its box each time. mimalloc serves up to 1 KiB from its per-size free lists; a
-    /// bigger box took its general aligned path, ≈ 145 instructions more per queued
-    /// request (callgrind, docs/performance-log.md "Eighteenth session"). The shared store's round
-    /// trips, boxed on their own, were what took it past that. The head's wait (its
-    /// precise sleep above all) is boxed apart too: inline it made every queued
-    /// request's box 864 bytes, ≈ 10 more data-cache misses per queued request than the
-    /// 304 bytes it is now ("Twenty-first session").
+    /// The queued wait is boxed once per request that waits, and written whole into its box
+    /// each time. mimalloc serves up to 1 KiB from its per-size free lists; a bigger box
+    /// took its general aligned path, ≈ 145 instructions more per queued request
+    /// (callgrind, docs/performance-log.md "Eighteenth session"). The shared store's round
+    /// trips, boxed on their own, were what took it past that. The head's wait (its precise
+    /// sleep above all) is boxed apart too: inline it made every queued request's box 864
+    /// bytes, ≈ 10 more data-cache misses per queued request than the 304 bytes it is now
+    /// ("Twenty-first session").
     #[tokio::test]
     async fn the_queued_wait_fits_a_small_allocation() {
         let g = group("10/s", |_| {});

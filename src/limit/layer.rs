@@ -34,12 +34,12 @@ pub struct Routed {
 /// A request on its way through the stack, and what the layers tell each other about it.
 ///
 /// Fields rather than the request's extensions: the first value put there costs three
-/// allocations (the map, its table, the value's box) and every look-up a hash. Moving
-/// to fields took 400 of the 33.5k instructions of a forwarded request (callgrind;
+/// allocations (the map, its table, the value's box) and every look-up a hash. Moving to
+/// fields took 400 of the 33.5k instructions of a forwarded request (callgrind;
 /// docs/performance-log.md, "Seventh session"). The rarely set early admission is boxed: an
-/// exchange is moved several times per layer, and inline it (with the tunnel's permit,
-/// then boxed too) made it half as big again. The permit is inline: it is set for every
-/// request, and boxed it would be an allocation each time.
+/// exchange is moved several times per layer, and inline it (with the tunnel's permit, then
+/// boxed too) made it half as big again. The permit is inline: it is set for every request,
+/// and boxed it would be an allocation each time.
 pub struct Exchange {
     /// The request itself.
     pub req: Request<Body>,

@@ -2,15 +2,14 @@
 //! group's home thread.
 //!
 //! Why: the head of a paced queue releases the requests behind it as their slots come
-//! (`limit::group`). A request waiting on another serving thread is woken across
-//! threads, and on a mostly idle machine that means waking an idle thread for each
-//! release; at 10 000 requests/s on two threads it cost 3.4 µs of CPU per request more
-//! than one thread serving them all (docs/performance-log.md, "Seventeenth session"). A group
-//! whose rate is one thread's work has a home ([`Group::home`]); a connection whose
-//! first request is for it is taken off this thread's reactor before the request waits
-//! and handed to the home thread's inbox, and that thread serves it from then on as if
-//! it had accepted it. The request's bytes were only peeked, so they are still in the
-//! socket.
+//! (`limit::group`). A request waiting on another serving thread is woken across threads,
+//! and on a mostly idle machine that means waking an idle thread for each release; at 10
+//! 000 requests/s on two threads it cost 3.4 µs of CPU per request more than one thread
+//! serving them all (docs/performance-log.md, "Seventeenth session"). A group whose rate is
+//! one thread's work has a home ([`Group::home`]); a connection whose first request is for
+//! it is taken off this thread's reactor before the request waits and handed to the home
+//! thread's inbox, and that thread serves it from then on as if it had accepted it. The
+//! request's bytes were only peeked, so they are still in the socket.
 //!
 //! Only the first request decides, once per connection: the later requests of a
 //! kept-alive connection are served where it is. HTTP/2 connections stay where they
