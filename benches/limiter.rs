@@ -27,7 +27,7 @@ use tokio::runtime::Runtime;
 use tokio::time::Instant;
 use tollgate::config::{Config, GroupSettings, Rate};
 use tollgate::limit::gcra::{self, Gcra};
-use tollgate::limit::{Group, Limits};
+use tollgate::limit::{Group, Limits, Store};
 use tollgate::metrics::Metrics;
 
 /// Distinct hosts in the many-groups benchmarks.
@@ -53,7 +53,7 @@ fn group(configure: impl FnOnce(&mut GroupSettings)) -> Arc<Group> {
         "bench".into(),
         settings,
         metrics.group("bench"),
-        None,
+        Store::Memory,
     ))
 }
 
@@ -75,10 +75,7 @@ fn multi_thread() -> Runtime {
 /// One admission that must succeed, and its permit dropped at once.
 async fn admit_and_drop(group: &Arc<Group>) {
     let now = Instant::now();
-    let permit = group
-        .admit(1, now, now + FAR, false)
-        .await
-        .expect("admitted");
+    let permit = group.admit(1, now, false).await.expect("admitted");
     drop(black_box(permit));
 }
 
@@ -192,7 +189,7 @@ fn limits() -> Limits {
         "bench.toml",
     )
     .expect("bench config");
-    Limits::new(&config, Arc::new(Metrics::new()), None)
+    Limits::new(&config, Arc::new(Metrics::new()), Store::Memory)
 }
 
 fn hosts() -> Vec<String> {
@@ -286,7 +283,7 @@ async fn slow_group() -> (Arc<Group>, tollgate::limit::Permit) {
         s.max_wait = FAR;
     });
     let now = Instant::now();
-    let first = grp.admit(1, now, now + FAR, false).await.expect("burst");
+    let first = grp.admit(1, now, false).await.expect("burst");
     (grp, first)
 }
 
@@ -297,7 +294,7 @@ async fn queue_up(grp: &Arc<Group>, n: usize) -> Vec<tokio::task::JoinHandle<()>
             let grp = grp.clone();
             tokio::spawn(async move {
                 let now = Instant::now();
-                let _ = grp.admit(1, now, now + FAR, false).await;
+                let _ = grp.admit(1, now, false).await;
             })
         })
         .collect();

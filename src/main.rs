@@ -9,7 +9,6 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tollgate::config::Config;
-use tollgate::server::Sockets;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;
@@ -27,8 +26,7 @@ struct Cli {
     /// Log format; the level comes from RUST_LOG (default "info").
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
-    /// Threads that serve connections, each with its own listening socket (default: one
-    /// per core).
+    /// Threads of the runtime that serves connections (default: one per core).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS")]
     worker_threads: Option<usize>,
     #[command(subcommand)]
@@ -50,12 +48,11 @@ enum LogFormat {
     Json,
 }
 
-/// mimalloc instead of glibc's malloc. Every proxied request allocates and frees a few
-/// dozen small blocks; glibc kept giving the top of its heap back to the kernel and taking
-/// it again (a `brk` call every ~15 requests, each with its page faults), and its
-/// per-thread caches cost more instructions. Measured in BENCHMARKS.md ("Allocator"):
-/// about 4 µs less CPU per forwarded request (24.7 → 20.6 µs), ≈ 1 MiB more resident
-/// at idle. Built to commit memory as it is used: see `.cargo/config.toml`.
+/// mimalloc instead of glibc's malloc: every proxied request allocates and frees a few
+/// dozen small blocks, and glibc kept giving the top of its heap back to the kernel and
+/// taking it again, page faults included, about 4 µs of CPU per request more. Built to
+/// commit memory as it is used (`.cargo/config.toml`), so a proxy with many waiting
+/// requests stays near glibc's resident size.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -73,6 +70,18 @@ fn main() -> ExitCode {
     for e in &descriptors.errors {
         tracing::warn!(error = %e, "cannot raise the open-file limit or grow the descriptor table");
     }
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = cli.worker_threads.filter(|n| *n > 0) {
+        runtime.worker_threads(threads);
+    }
+    let runtime = runtime
+        .enable_all()
+        .build()
+        .expect("the tokio runtime starts");
+    runtime.block_on(run(cli, descriptors.limit))
+}
+
+async fn run(cli: Cli, open_file_limit: Option<u64>) -> ExitCode {
     let path = match &cli.command {
         Some(Command::CheckConfig { file }) => file,
         None => &cli.config,
@@ -85,7 +94,8 @@ fn main() -> ExitCode {
         }
     };
     if let Some(Command::CheckConfig { file }) = &cli.command {
-        // Settings that need I/O (ca_file) are checked by building the proxy.
+        // Settings that need I/O (ca_file, the Redis URL) are checked by building the
+        // proxy; inside the runtime, which the Redis client needs.
         if let Err(e) = tollgate::proxy::Proxy::new(&config) {
             eprintln!("tollgate: {e}");
             return ExitCode::from(EXIT_BAD_CONFIG);
@@ -96,25 +106,10 @@ fn main() -> ExitCode {
     if let Some(listen) = cli.listen {
         config.proxy.listen = listen;
     }
-    warn_if_queues_outgrow(&config, descriptors.limit);
-    let threads = cli
-        .worker_threads
-        .filter(|n| *n > 0)
-        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
-        .unwrap_or(1);
-    // This thread serves too; `serve_threads` starts the others, each with a runtime of
-    // its own (see there for why).
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("the tokio runtime starts");
-    runtime.block_on(run(config, threads))
-}
-
-async fn run(config: Config, threads: usize) -> ExitCode {
+    warn_if_queues_outgrow(&config, open_file_limit);
     let listen = config.proxy.listen;
-    let sockets = match Sockets::listen(listen, threads) {
-        Ok(sockets) => sockets,
+    let listener = match TcpListener::bind(listen).await {
+        Ok(listener) => listener,
         Err(e) => {
             eprintln!("tollgate: cannot listen on {listen}: {e}");
             return ExitCode::FAILURE;
@@ -133,9 +128,8 @@ async fn run(config: Config, threads: usize) -> ExitCode {
             }
         },
     };
-    tracing::info!(%listen, threads, "tollgate listening");
-    let serving = tollgate::server::serve_threads(sockets, admin, config, shutdown_signal());
-    match serving.await {
+    tracing::info!(%listen, "tollgate listening");
+    match tollgate::server::run(listener, admin, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: {e}");

@@ -43,7 +43,6 @@ pub struct Metrics {
     pause_seconds: HistogramFamily,
     retries: Family<GroupLabel, Counter>,
     passed_through: Family<GroupLabel, Counter>,
-    moved: Family<GroupLabel, Counter>,
 }
 
 /// One group's metric handles (clones share the underlying atomics).
@@ -71,8 +70,6 @@ pub struct GroupMetrics {
     pub retries: Counter,
     /// Push-back responses handed to the client (not replayable, or out of retries).
     pub passed_through: Counter,
-    /// Client connections moved to the group's home thread (`server::home`).
-    pub moved: Counter,
 }
 
 impl Default for Metrics {
@@ -137,12 +134,6 @@ impl Metrics {
             "Push-back responses (429/503) handed to the client unchanged",
             passed_through.clone(),
         );
-        let moved = Family::<GroupLabel, Counter>::default();
-        registry.register(
-            "tollgate_connections_moved",
-            "Client connections moved to the serving thread of their first request's group",
-            moved.clone(),
-        );
         Metrics {
             registry: Mutex::new(registry),
             queue_depth,
@@ -153,7 +144,6 @@ impl Metrics {
             pause_seconds,
             retries,
             passed_through,
-            moved,
         }
     }
 
@@ -182,7 +172,6 @@ impl Metrics {
             pause_seconds: self.pause_seconds.get_or_create(&label).clone(),
             retries: self.retries.get_or_create(&label).clone(),
             passed_through: self.passed_through.get_or_create(&label).clone(),
-            moved: self.moved.get_or_create(&label).clone(),
         }
     }
 
@@ -198,7 +187,6 @@ impl Metrics {
         self.pause_seconds.remove(&label);
         self.retries.remove(&label);
         self.passed_through.remove(&label);
-        self.moved.remove(&label);
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {
                 group: name.to_string(),

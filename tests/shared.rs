@@ -389,15 +389,15 @@ impl Drop for RedisServer {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn serving_threads_share_one_store() {
-    // One process, three serving threads (each with its own runtime), one Redis: the
-    // store's calls come from every thread and must neither fail nor split the budget.
+    // One process, three runtime threads, one Redis: the store's calls come from every
+    // thread and must neither fail nor split the budget.
     let _alone = MEASURING.lock().await;
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
     let limit = "[[limit]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nrate = \"20/s\"\n";
-    let proxy = start_proxy_on_threads(&config(&redis, limit), 3).await;
+    let proxy = start_proxy_with_admin(&config(&redis, limit)).await;
 
     let statuses = load(&[&proxy], &upstream, 40).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");

@@ -641,13 +641,11 @@ async fn a_head_hyper_refuses_does_not_take_a_slot() {
     assert_eq!(paths, ["/first"]);
 }
 
-/// A request that waits behind many others has its head and body copied out of its
-/// connection's read buffer before it queues (`pushback.rs`, `DETACH_BEHIND`, 128); one
-/// in a shorter queue keeps them where hyper parsed them. 160 requests on kept-alive
-/// connections queue behind one that holds the group's only permit, so the first 128
-/// take one path and the rest the other: every one must reach the upstream whole and in
-/// order, its repeated headers and its `Authorization` included. (Which path a request
-/// took is not visible from outside; a copy that lost or mixed up a value is.)
+/// A request that waits has its head and body copied out of its
+/// connection's read buffer before it queues (`pushback.rs`, `Replayable::read`). 160
+/// requests on kept-alive connections queue behind one that holds the group's only
+/// permit: every one must reach the upstream whole and in order, its repeated headers
+/// and its `Authorization` included (a copy that lost or mixed up a value shows).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_queued_deep_arrive_whole_and_in_order() {
     use tokio::io::AsyncWriteExt;
@@ -658,7 +656,7 @@ async fn requests_queued_deep_arrive_whole_and_in_order() {
         Reply::ok(format!("got {}", seen.path))
     })
     .await;
-    let proxy = start_proxy_on_threads(
+    let proxy = start_proxy_with_admin(
         r#"
         [proxy]
         client_header_timeout = "1h"
@@ -669,7 +667,6 @@ async fn requests_queued_deep_arrive_whole_and_in_order() {
         queue = 1000
         max_wait = "1h"
         "#,
-        2,
     )
     .await;
     let authority = upstream.authority();

@@ -1,37 +1,41 @@
 //! Throttling: which group a request belongs to, and the queue it waits in.
 //!
+//! * this module — [`Limits`], the groups by name and host;
+//! * [`group`] — one group: a request's way through it, from joining the queue to
+//!   departing with a concurrency permit;
+//! * [`queue`] — the FIFO queue and its turn;
+//! * [`pause`] — the upstream's pause;
+//! * [`store`] — where the budget lives: [`rate`] in this process, [`redis`] shared;
 //! * [`gcra`] — the rate decision, pure;
-//! * [`group`] — one group's FIFO queue, rate state, concurrency permits and pause;
-//! * [`layer`] — the tower layer that admits each request through its group;
-//! * this module — [`Limits`], the groups by name and host.
+//! * [`adaptive`] — the adaptive rate (AIMD), pure;
+//! * [`permits`] — concurrency permits.
 //!
 //! Hosts listed in a `[[limit]]` share that group. Any other host gets a group of its
 //! own, built from `[defaults]` when first seen and evicted when idle, so memory follows
 //! the hosts in use, not every host ever seen.
 
+pub mod adaptive;
 pub mod gcra;
 pub mod group;
-pub mod layer;
-pub mod shared;
+pub mod pause;
+pub mod permits;
+pub mod queue;
+pub mod rate;
+pub mod redis;
+pub mod store;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
-pub use group::{Group, Permit, Refusal};
-pub use shared::Shared;
+pub use group::{Group, GroupStatus, Refusal};
+pub use permits::Permit;
+pub use redis::Redis;
+pub use store::Store;
 
-/// The maps looked up for every request (by host, by route name). foldhash rather than
-/// the standard SipHash: with the pool's map (`upstream::pool`), 0.38k of the 32.0k
-/// instructions of a forwarded request (callgrind). foldhash seeds each map differently
-/// (a per-map seed on top of a random one per process), which defeats collisions
-/// computed in advance, though not an attacker who observes hashes or times lookups to
-/// learn the seed (its "minimal" DoS resistance). The host names come from the apps
-/// tollgate serves, and the map of hosts without a configured group is swept of idle
-/// ones.
-type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
+/// The maps looked up for every request, by host or by route name.
+type Map<V> = HashMap<String, V>;
 
 /// Dynamic groups are swept when their count reaches this, or twice the count left
 /// after the last sweep, so sweeping costs O(1) per new host on average.
@@ -48,11 +52,8 @@ pub struct Limits {
     /// a new host (or a sweep) writes, so lookups from all threads proceed together.
     dynamic: RwLock<Dynamic>,
     metrics: Arc<Metrics>,
-    /// The Redis store, when limits are shared by replicas.
-    shared: Option<Arc<Shared>>,
-    /// The home of the next group paced for one thread: given in turn, so that such
-    /// groups spread over the serving threads (see [`Group::home`]).
-    next_home: AtomicUsize,
+    /// Where every group keeps its budget.
+    store: Store,
 }
 
 /// Groups of hosts that match no `[[limit]]`.
@@ -62,21 +63,17 @@ struct Dynamic {
 }
 
 impl Limits {
-    /// Builds the configured groups, on the shared store when given.
-    pub fn new(config: &Config, metrics: Arc<Metrics>, shared: Option<Arc<Shared>>) -> Limits {
+    /// Builds the configured groups, keeping their budgets in `store`.
+    pub fn new(config: &Config, metrics: Arc<Metrics>, store: Store) -> Limits {
         let mut by_name = Map::default();
         let mut by_host = Map::default();
         let mut by_suffix = Vec::new();
-        let next_home = AtomicUsize::new(0);
         for limit in &config.limits {
-            let group = Arc::new(Limits::homed(
-                &next_home,
-                Group::new(
-                    limit.name.as_str().into(),
-                    limit.settings.clone(),
-                    metrics.group(&limit.name),
-                    shared.clone(),
-                ),
+            let group = Arc::new(Group::new(
+                limit.name.as_str().into(),
+                limit.settings.clone(),
+                metrics.group(&limit.name),
+                store.clone(),
             ));
             for host in &limit.hosts {
                 match host {
@@ -100,17 +97,8 @@ impl Limits {
                 sweep_at: FIRST_SWEEP,
             }),
             metrics,
-            shared,
-            next_home,
+            store,
         }
-    }
-
-    /// `group`, with the next home when it is paced for one thread.
-    fn homed(next_home: &AtomicUsize, group: Group) -> Group {
-        if !group.paced_for_one_thread() {
-            return group;
-        }
-        group.with_home(next_home.fetch_add(1, Ordering::Relaxed))
     }
 
     /// The group for a request to `host` (lower case), or the group `named` by its route.
@@ -146,14 +134,11 @@ impl Limits {
         if dynamic.groups.len() >= dynamic.sweep_at {
             self.sweep(&mut dynamic);
         }
-        let group = Arc::new(Limits::homed(
-            &self.next_home,
-            Group::new(
-                host.into(),
-                self.defaults.clone(),
-                self.metrics.group(host),
-                self.shared.clone(),
-            ),
+        let group = Arc::new(Group::new(
+            host.into(),
+            self.defaults.clone(),
+            self.metrics.group(host),
+            self.store.clone(),
         ));
         dynamic.groups.insert(host.to_string(), group.clone());
         group
@@ -210,7 +195,7 @@ mod tests {
             "t",
         )
         .unwrap();
-        Limits::new(&config, Arc::new(Metrics::new()), None)
+        Limits::new(&config, Arc::new(Metrics::new()), Store::Memory)
     }
 
     #[test]
@@ -229,45 +214,6 @@ mod tests {
             Arc::ptr_eq(&a, &l.group_for("example.com", None)),
             "one group per host"
         );
-    }
-
-    #[test]
-    fn groups_paced_for_one_thread_get_homes_in_turn() {
-        let config = Config::parse(
-            r#"
-            [defaults]
-            rate = "5/s"
-            [[limit]]
-            name = "slow"
-            hosts = ["a.example"]
-            rate = ["10/s", "1000/h"]
-            [[limit]]
-            name = "open"
-            hosts = ["b.example"]
-            rate = "unlimited"
-            [[limit]]
-            name = "fast"
-            hosts = ["c.example"]
-            rate = "100000/s"
-            [[limit]]
-            name = "edge"
-            hosts = ["d.example"]
-            rate = "20000/s"
-            "#,
-            "t",
-        )
-        .unwrap();
-        let l = Limits::new(&config, Arc::new(Metrics::new()), None);
-        let home = |host: &str| l.group_for(host, None).home();
-        // Configured groups in file order, then unlisted hosts as they are first seen;
-        // no rate, or a rate past one thread's work, no home.
-        assert_eq!(home("a.example"), Some(0));
-        assert_eq!(home("b.example"), None);
-        assert_eq!(home("c.example"), None);
-        assert_eq!(home("d.example"), Some(1));
-        assert_eq!(home("x.example"), Some(2));
-        assert_eq!(home("y.example"), Some(3));
-        assert_eq!(home("x.example"), Some(2), "a group keeps its home");
     }
 
     #[test]

@@ -867,31 +867,22 @@ pub struct Proxy {
 }
 
 /// Parses `config_toml` (no `listen` key needed), binds 127.0.0.1:0 and spawns
-/// `tollgate::server::serve_threads` on it (one thread: the test's runtime).
+/// `tollgate::server::run` on it, on the test's runtime.
 pub async fn start_proxy(config_toml: &str) -> Proxy {
-    launch(config_toml, false, 1).await
+    launch(config_toml, false).await
 }
 
 /// Like [`start_proxy`], with the admin endpoints on another 127.0.0.1:0 listener; see
 /// [`admin_get`].
 pub async fn start_proxy_with_admin(config_toml: &str) -> Proxy {
-    launch(config_toml, true, 1).await
+    launch(config_toml, true).await
 }
 
-/// Like [`start_proxy_with_admin`], serving on `threads` threads, each with its own
-/// runtime and socket (`server::serve_threads`, as the binary runs).
-pub async fn start_proxy_on_threads(config_toml: &str, threads: usize) -> Proxy {
-    launch(config_toml, true, threads).await
-}
-
-async fn launch(config_toml: &str, with_admin: bool, threads: usize) -> Proxy {
+async fn launch(config_toml: &str, with_admin: bool) -> Proxy {
     let config = tollgate::config::Config::parse(config_toml, "test.toml")
         .unwrap_or_else(|e| panic!("test config does not parse: {e}"));
-    // Every socket listens before this returns, so no connection of the test can reach
-    // the first one only because the others did not exist yet.
-    let sockets = tollgate::server::Sockets::listen("127.0.0.1:0".parse().unwrap(), threads)
-        .expect("bind proxy");
-    let addr = sockets.local_addr().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+    let addr = listener.local_addr().unwrap();
     let admin = match with_admin {
         true => Some(TcpListener::bind("127.0.0.1:0").await.expect("bind admin")),
         false => None,
@@ -903,9 +894,9 @@ async fn launch(config_toml: &str, with_admin: bool, threads: usize) -> Proxy {
         let shutdown = async {
             let _ = stopped.await;
         };
-        let result = tollgate::server::serve_threads(sockets, admin, config, shutdown).await;
+        let result = tollgate::server::run(listener, admin, config, shutdown).await;
         if let Err(e) = result {
-            panic!("tollgate::server::serve_threads failed: {e}");
+            panic!("tollgate::server::run failed: {e}");
         }
     });
     Proxy {

@@ -4,22 +4,16 @@
 //! one budget. Each decision is one Lua script run atomically by Redis with Redis's own
 //! clock (`TIME`), so the replicas' clocks never matter:
 //!
-//! * [`Shared::reserve`] books the next slot of a group's rates (the same GCRA as
+//! * [`Redis::reserve`] books the next slot of a group's rates (the same GCRA as
 //!   [`super::gcra`], in microseconds) and answers how long to wait for it — one round
 //!   trip per request, no polling. The group's pause is part of the same decision.
-//! * [`Shared::pause`] records an upstream's push-back for every replica.
-//! * [`Shared::try_lease`] takes one of a group's concurrency leases (`shared_concurrency
+//! * [`Redis::pause`] records an upstream's push-back for every replica.
+//! * [`Redis::try_lease`] takes one of a group's concurrency leases (`shared_concurrency
 //!   = true`). Leases expire unless renewed, so a replica that crashes returns its share
 //!   within [`LEASE_TTL`].
 //!
 //! Keys are `<prefix>{<group>}:...` (the braces keep a group's keys in one Redis Cluster
 //! slot) and expire when idle.
-//!
-//! All Redis I/O runs on the store's own runtime, on a thread of its own ([`Shared`]'s
-//! `runtime`): redis-rs drives a connection from a task of the runtime that first uses
-//! it (and again after each reconnect), and tollgate has one runtime per serving thread.
-//! On a serving thread's runtime, that thread's load would delay every thread's answers,
-//! and when it stopped first at shutdown the others' calls would fail.
 //!
 //! Redis down, slow or unreachable: a call that fails or takes longer than `timeout`
 //! marks the store down (logged once, `tollgate_backend_up 0`); while down, requests do
@@ -37,8 +31,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
-use tokio::runtime::Handle;
-use tokio::sync::oneshot;
 
 use super::gcra::Gcra;
 use crate::config::{BackendConfig, OnBackendError};
@@ -126,11 +118,7 @@ pub struct Reservation {
 }
 
 /// The connection to Redis and what this replica knows about it.
-pub struct Shared {
-    /// Where every Redis call runs (see the module documentation).
-    runtime: Handle,
-    /// Dropped with the store: its runtime's thread then ends.
-    _stop_runtime: oneshot::Sender<()>,
+pub struct Redis {
     conn: ConnectionManager,
     prefix: String,
     timeout: Duration,
@@ -152,9 +140,9 @@ pub struct Shared {
     heartbeat: Arc<Script>,
 }
 
-impl Shared {
+impl Redis {
     /// Connects lazily: tollgate starts even while Redis is down.
-    pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Shared>, String> {
+    pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Redis>, String> {
         let url = config.url.as_ref().ok_or("the redis backend needs a url")?;
         // Nagle's algorithm is on by default in redis-rs; every call here is a small
         // request waiting on a small answer, which it can only delay (no gain measured
@@ -175,7 +163,6 @@ impl Shared {
             .set_max_delay(Duration::from_secs(1));
         let conn = ConnectionManager::new_lazy_with_config(client, manager)
             .map_err(|e| format!("backend.url {:?}: {e}", url.0))?;
-        let (runtime, _stop_runtime) = start_runtime()?;
         let up_gauge = Gauge::default();
         up_gauge.set(1);
         metrics.register(|registry| {
@@ -185,9 +172,7 @@ impl Shared {
                 up_gauge.clone(),
             );
         });
-        Ok(Arc::new(Shared {
-            runtime,
-            _stop_runtime,
+        Ok(Arc::new(Redis {
             conn,
             prefix: config.key_prefix.clone(),
             timeout,
@@ -300,7 +285,7 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.clone(), set.clone());
         Some(Some(Lease {
-            shared: self.clone(),
+            redis: self.clone(),
             id,
             set,
         }))
@@ -309,24 +294,23 @@ impl Shared {
     /// Runs the heartbeat (replica count, lease renewal) and, while Redis is down, the
     /// probe that brings it back. Ends when the store is dropped.
     pub fn spawn_maintenance(self: &Arc<Self>) {
-        let weak: Weak<Shared> = Arc::downgrade(self);
-        self.runtime.spawn(async move {
+        let weak: Weak<Redis> = Arc::downgrade(self);
+        tokio::spawn(async move {
             let mut last_beat = tokio::time::Instant::now() - HEARTBEAT;
             loop {
-                let Some(shared) = weak.upgrade() else { return };
-                if !shared.is_up() {
-                    shared.probe().await;
+                let Some(redis) = weak.upgrade() else { return };
+                if !redis.is_up() {
+                    redis.probe().await;
                 } else if last_beat.elapsed() >= HEARTBEAT {
-                    shared.beat().await;
+                    redis.beat().await;
                     last_beat = tokio::time::Instant::now();
                 }
-                drop(shared);
+                drop(redis);
                 tokio::time::sleep(PROBE).await;
             }
         });
     }
 
-    /// Runs on the store's runtime (from the maintenance task).
     async fn probe(&self) {
         let mut conn = self.conn.clone();
         let ping = redis::cmd("PING");
@@ -362,31 +346,19 @@ impl Shared {
         }
     }
 
-    /// Runs one Redis call on the store's runtime within `timeout`, from any thread; a
-    /// failure marks the store down.
-    async fn call<T: Send + 'static>(
-        &self,
-        call: impl Future<Output = redis::RedisResult<T>> + Send + 'static,
-    ) -> Option<T> {
-        let timeout = self.timeout;
-        let answer = self
-            .runtime
-            .spawn(async move { tokio::time::timeout(timeout, call).await });
-        match answer.await {
-            Ok(Ok(Ok(value))) => {
+    /// Runs one Redis call within `timeout`; a failure marks the store down.
+    async fn call<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Option<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => {
                 self.succeeded();
                 Some(value)
             }
-            Ok(Ok(Err(e))) => {
+            Ok(Err(e)) => {
                 self.failed(&e.to_string());
                 None
             }
-            Ok(Err(_)) => {
-                self.failed(&format!("no answer within {timeout:?}"));
-                None
-            }
-            Err(e) => {
-                self.failed(&format!("the store's runtime stopped: {e}"));
+            Err(_) => {
+                self.failed(&format!("no answer within {:?}", self.timeout));
                 None
             }
         }
@@ -423,47 +395,30 @@ impl Shared {
 
 /// One of a group's concurrency leases in Redis; given back when dropped.
 pub struct Lease {
-    shared: Arc<Shared>,
+    redis: Arc<Redis>,
     id: String,
     set: String,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.shared
+        self.redis
             .leases
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.id);
         // Give the lease back now rather than let it expire; if Redis is unreachable
-        // it expires within LEASE_TTL anyway.
-        let (mut conn, timeout) = (self.shared.conn.clone(), self.shared.timeout);
+        // (or the runtime is gone, at exit) it expires within LEASE_TTL anyway.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (mut conn, timeout) = (self.redis.conn.clone(), self.redis.timeout);
         let mut zrem = redis::cmd("ZREM");
         zrem.arg(&self.set).arg(&self.id);
-        self.shared.runtime.spawn(async move {
+        runtime.spawn(async move {
             let _ = tokio::time::timeout(timeout, zrem.query_async::<i64>(&mut conn)).await;
         });
     }
-}
-
-/// Starts the store's runtime on a thread of its own; the thread ends when the returned
-/// sender is dropped (with the store).
-fn start_runtime() -> Result<(Handle, oneshot::Sender<()>), String> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the Redis store's runtime: {e}"))?;
-    let handle = runtime.handle().clone();
-    let (stop, stopped) = oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name("tollgate-redis".into())
-        .spawn(move || {
-            runtime.block_on(async {
-                let _ = stopped.await;
-            })
-        })
-        .map_err(|e| format!("cannot start the Redis store's thread: {e}"))?;
-    Ok((handle, stop))
 }
 
 /// A name for this replica that is unique across machines and restarts.

@@ -1,0 +1,245 @@
+//! A group's FIFO queue and its *turn*.
+//!
+//! Requests leave in arrival order. Only the request at the head holds the turn: it
+//! alone looks at the clock, waits for a pause to end, for its slot and for a permit
+//! ([`super::Group`]). Everyone else waits on a one-shot channel, so a group with
+//! 10 000 waiting requests has one timer, not 10 000, and a waiter that goes away
+//! (client gone, `max_wait` reached) just leaves the map.
+//!
+//! A request the upstream refused is retried ahead of everyone else: its key ranks
+//! before every first attempt. A head that finds one ahead of it steps aside.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::permits::Held;
+use super::{Group, Refusal};
+
+/// A place in the queue: `(rank, arrival order)`; a smaller key goes first.
+pub type Key = (i8, u64);
+
+/// The rank of requests retried after a push-back: ahead of everyone else.
+const RETRY: i8 = -1;
+/// The rank of requests on their first attempt.
+const FIRST: i8 = 0;
+
+/// The requests of one group that have not left yet.
+#[derive(Default)]
+pub struct Queue {
+    waiting: BTreeMap<Key, Waiter>,
+    next_seq: u64,
+    turn_taken: bool,
+    /// Requests in the queue: waiting, plus the head.
+    len: usize,
+    /// Their total cost, for the `Retry-After` estimate.
+    cost: u64,
+}
+
+/// A request waiting for the turn, as the head sees it.
+struct Waiter {
+    tx: oneshot::Sender<Turn>,
+    cost: u32,
+    /// When it joined: it is not counted as leaving before that.
+    joined: Instant,
+}
+
+/// What a waiting request receives when the requests ahead of it have gone.
+pub enum Turn {
+    /// The turn: it is the head now, and waits for its own slot.
+    Take,
+    /// Its slot had come when the head before it left: that head counted its
+    /// departure and sends the permit it holds in flight.
+    Leave(Held),
+}
+
+impl Queue {
+    /// Requests in the queue (waiting, and the head).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no request is in the queue.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The total cost of the requests in the queue.
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+
+    /// The cost and joining time of the first request waiting behind the head.
+    pub fn front(&self) -> Option<(u32, Instant)> {
+        let (_, waiter) = self.waiting.first_key_value()?;
+        Some((waiter.cost, waiter.joined))
+    }
+
+    /// Sends the first waiting request on its way with `held`. `Err` gives the permit
+    /// back when that request is already gone (it removes itself from the map before
+    /// dropping its receiver, so this does not happen while the lock is held).
+    pub fn release_front(&mut self, held: Held) -> Result<(), Held> {
+        let Some((_, waiter)) = self.waiting.pop_first() else {
+            return Err(held);
+        };
+        waiter
+            .tx
+            .send(Turn::Leave(held))
+            .map_err(|turn| match turn {
+                Turn::Leave(held) => held,
+                Turn::Take => unreachable!("sent a release"),
+            })
+    }
+
+    /// Whether a retried request waits ahead of `key`.
+    pub fn retry_ahead_of(&self, key: Key) -> bool {
+        self.waiting.keys().next().is_some_and(|first| *first < key)
+    }
+
+    /// Takes the next key of a rank.
+    fn key(&mut self, front: bool) -> Key {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        (if front { RETRY } else { FIRST }, seq)
+    }
+
+    fn wait(&mut self, key: Key, cost: u32, joined: Instant) -> Stage {
+        let (tx, rx) = oneshot::channel();
+        self.waiting.insert(key, Waiter { tx, cost, joined });
+        Stage::Waiting(rx)
+    }
+
+    /// Passes the turn to the first waiter still there, or frees it.
+    fn pass_turn(&mut self) {
+        while let Some((_, next)) = self.waiting.pop_first() {
+            if next.tx.send(Turn::Take).is_ok() {
+                return;
+            }
+        }
+        self.turn_taken = false;
+    }
+}
+
+/// Where one request is in its group's queue. Dropping it leaves the queue (the
+/// client went, or `max_wait` passed) and keeps the queue consistent.
+pub struct Place {
+    group: Arc<Group>,
+    /// The request's cost.
+    pub cost: u32,
+    /// When it joined: from then on only the group held it back.
+    pub joined: Instant,
+    /// Its position.
+    pub key: Key,
+    stage: Stage,
+}
+
+enum Stage {
+    /// Waiting under `key` until the turn, or its release, arrives.
+    Waiting(oneshot::Receiver<Turn>),
+    /// Holding the turn.
+    HasTurn,
+    /// Released by the head before it: its departure is counted, the turn is not its.
+    Released,
+    /// Out of the queue.
+    Gone,
+}
+
+impl Place {
+    /// Joins `group`'s queue (at the front for a retry, which the `queue` bound does not
+    /// refuse: it was admitted before), taking the turn when nobody is ahead.
+    pub fn join(group: &Arc<Group>, cost: u32, front: bool) -> Result<Place, Refusal> {
+        let joined = Instant::now();
+        let mut state = group.lock();
+        let queue = &mut state.queue;
+        if !front && queue.len >= group.settings.queue {
+            drop(state);
+            group.metrics.queue_full.inc();
+            return Err(Refusal::QueueFull {
+                retry_after: group.estimate_wait(),
+            });
+        }
+        queue.len += 1;
+        queue.cost += u64::from(cost);
+        group.metrics.queue_depth.set(queue.len as i64);
+        let key = queue.key(front);
+        let stage = if !queue.turn_taken && queue.waiting.is_empty() {
+            queue.turn_taken = true;
+            Stage::HasTurn
+        } else {
+            queue.wait(key, cost, joined)
+        };
+        Ok(Place {
+            group: group.clone(),
+            cost,
+            joined,
+            key,
+            stage,
+        })
+    }
+
+    /// Waits until the requests ahead have gone: `Some` with the permit when the head
+    /// before it released it (it may leave now), `None` when it holds the turn.
+    pub async fn wait_for_turn(&mut self) -> Option<Held> {
+        let Stage::Waiting(rx) = &mut self.stage else {
+            return None;
+        };
+        // The sender is dropped only after a send, or by this place's own `leave`.
+        match rx.await {
+            Ok(Turn::Leave(held)) => {
+                self.stage = Stage::Released;
+                Some(held)
+            }
+            Ok(Turn::Take) | Err(_) => {
+                self.stage = Stage::HasTurn;
+                None
+            }
+        }
+    }
+
+    /// Hands the turn to the retried request ahead and waits right behind it: ahead of
+    /// every first attempt, as the head it was.
+    pub fn step_aside(&mut self) {
+        let mut state = self.group.lock();
+        let queue = &mut state.queue;
+        self.key = queue.key(true);
+        self.stage = queue.wait(self.key, self.cost, self.joined);
+        queue.pass_turn();
+    }
+
+    /// Leaves the queue: the request departed, or was refused.
+    pub fn leave(&mut self) {
+        let mut state = self.group.lock();
+        let queue = &mut state.queue;
+        match std::mem::replace(&mut self.stage, Stage::Gone) {
+            Stage::Gone => return,
+            Stage::Waiting(mut rx) => {
+                // Still in the map: it never got the turn. Gone from it: the turn was
+                // sent just now and must be passed on; or it was released, and its
+                // slot is spent with its permit, as for any request that goes after
+                // leaving the queue.
+                if queue.waiting.remove(&self.key).is_none() {
+                    match rx.try_recv() {
+                        Ok(Turn::Leave(_)) => {}
+                        Ok(Turn::Take) | Err(_) => queue.pass_turn(),
+                    }
+                }
+            }
+            Stage::HasTurn => queue.pass_turn(),
+            Stage::Released => {}
+        }
+        queue.len -= 1;
+        queue.cost -= u64::from(self.cost);
+        self.group.metrics.queue_depth.set(queue.len as i64);
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if !matches!(self.stage, Stage::Gone) {
+            self.group.metrics.cancelled.inc();
+            self.leave();
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! A group's rate state in this process: the rates in force and one TAT per rate.
+//!
+//! The arithmetic is [`super::gcra`]'s; this adds the clock (TATs are offsets from the
+//! group's epoch, so tests can pause tokio's time), the adaptive factor and the share
+//! of a replica whose shared store is down. It serves the memory store, and the Redis
+//! store's fallback while Redis does not answer.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::gcra::{self, Gcra};
+use crate::config::GroupSettings;
+
+/// How far before its actual departure a request's departure may be counted, at its
+/// slot. The head of a queue sleeps until its slot and tokio's timer wakes it up to a
+/// millisecond late; counting the departure at the wake-up would lose that time on
+/// every request, and a backlog at 10 000/s would drain at ≈ 850/s. The cap bounds the
+/// catch-up after a stall to this much time's worth of requests.
+pub const SLOT_CREDIT: Duration = Duration::from_millis(10);
+
+/// The rates of one group and their TATs.
+#[derive(Debug)]
+pub struct Rates {
+    /// The configured rates (empty: no rate limit).
+    configured: Vec<Gcra>,
+    /// The rates in force: the configured ones, slower while an adaptive group backs off.
+    in_force: Vec<Gcra>,
+    /// One TAT per rate, as an offset from `epoch`.
+    tats: Vec<Duration>,
+    epoch: Instant,
+}
+
+impl Rates {
+    /// The group's rates, idle as of `epoch`.
+    pub fn new(settings: &GroupSettings, epoch: Instant) -> Rates {
+        let configured: Vec<Gcra> = settings
+            .rates
+            .iter()
+            .map(|r| Gcra::new(r.limit, r.period, settings.burst))
+            .collect();
+        Rates {
+            tats: vec![Duration::ZERO; configured.len()],
+            in_force: configured.clone(),
+            configured,
+            epoch,
+        }
+    }
+
+    /// The rates in force become the configured ones times `factor` (0 < factor ≤ 1).
+    pub fn set_factor(&mut self, factor: f64) {
+        self.in_force = self.configured.iter().map(|r| r.scaled(factor)).collect();
+    }
+
+    /// The rates in force, in GCRA form (what the Redis store books against).
+    pub fn in_force(&self) -> &[Gcra] {
+        &self.in_force
+    }
+
+    /// The rates in force, in requests per second.
+    pub fn per_second(&self) -> Vec<f64> {
+        self.in_force
+            .iter()
+            .map(|r| 1.0 / r.interval.as_secs_f64())
+            .collect()
+    }
+
+    /// The rates this process enforces: all of them, or `share` of them (a replica's
+    /// part while the shared store is down).
+    fn enforced(&self, share: f64) -> Cow<'_, [Gcra]> {
+        if share >= 1.0 {
+            Cow::Borrowed(&self.in_force)
+        } else {
+            Cow::Owned(self.in_force.iter().map(|r| r.scaled(share)).collect())
+        }
+    }
+
+    fn since_epoch(&self, at: Instant) -> Duration {
+        at.saturating_duration_since(self.epoch)
+    }
+
+    /// The earliest time a request may leave that is ready at `ready`.
+    pub fn earliest(&self, share: f64, ready: Instant) -> Instant {
+        let since = self.since_epoch(ready);
+        self.epoch + gcra::earliest_all(&self.enforced(share), &self.tats, since)
+    }
+
+    /// Records the departure at `now` of a request of `cost` that was ready at `ready`,
+    /// counted at its slot (see [`SLOT_CREDIT`]); returns that slot.
+    pub fn depart(&mut self, share: f64, ready: Instant, now: Instant, cost: u32) -> Instant {
+        let since_now = self.since_epoch(now);
+        let rates = self.enforced(share).into_owned();
+        let slot = gcra::earliest_all(&rates, &self.tats, self.since_epoch(ready))
+            .clamp(since_now.saturating_sub(SLOT_CREDIT), since_now);
+        gcra::advance_all(&rates, &mut self.tats, slot, cost);
+        self.epoch + slot
+    }
+
+    /// The slot of a request of `cost` that was ready at `ready` and leaves right behind
+    /// a departure counted at `after`, if that slot has come by `now`; recorded when it
+    /// has. How the head of a queue releases the requests behind it that are due too.
+    pub fn depart_if_due(
+        &mut self,
+        ready: Instant,
+        after: Instant,
+        now: Instant,
+        cost: u32,
+    ) -> Option<Instant> {
+        let from = self.since_epoch(ready.max(after));
+        let slot = gcra::earliest_all(&self.in_force, &self.tats, from);
+        if slot > self.since_epoch(now) {
+            return None;
+        }
+        gcra::advance_all(&self.in_force, &mut self.tats, slot, cost);
+        Some(self.epoch + slot)
+    }
+
+    /// How long `ahead` cells already queued would take to leave from `now`.
+    pub fn backlog(&self, now: Instant, ahead: u64) -> Duration {
+        let since = self.since_epoch(now);
+        let ahead = u32::try_from(ahead).unwrap_or(u32::MAX);
+        self.in_force
+            .iter()
+            .zip(&self.tats)
+            .map(|(rate, tat)| {
+                (tat.saturating_sub(since) + rate.interval * ahead).saturating_sub(rate.tolerance)
+            })
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Whether every TAT has come: the budget is as full as after a long idle time.
+    pub fn is_idle(&self, now: Instant) -> bool {
+        let since = self.since_epoch(now);
+        self.tats.iter().all(|tat| *tat <= since)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Rate;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn rates(rate: &str) -> (Rates, Instant) {
+        let settings = GroupSettings {
+            rates: vec![rate.parse::<Rate>().unwrap()],
+            ..GroupSettings::default()
+        };
+        let epoch = Instant::now();
+        (Rates::new(&settings, epoch), epoch)
+    }
+
+    #[test]
+    fn a_late_departure_is_counted_at_its_slot_within_the_credit() {
+        // (woken this many ms after the slot, counted this many ms after it)
+        for (late, counted) in [(0, 0), (1, 0), (10, 0), (25, 15)] {
+            let (mut r, t0) = rates("10/s");
+            r.depart(1.0, t0, t0, 1); // the slot at 0; the next is at 100 ms
+            let slot = r.earliest(1.0, t0);
+            assert_eq!(slot, t0 + MS * 100);
+            let now = slot + MS * late;
+            assert_eq!(
+                r.depart(1.0, t0, now, 1),
+                slot + MS * counted,
+                "late {late}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_request_ready_late_is_counted_from_when_it_was_ready() {
+        let (mut r, t0) = rates("10/s");
+        r.depart(1.0, t0, t0, 1);
+        // It waited for a permit until 300 ms: its slot is then, not at 100 ms.
+        let ready = t0 + MS * 300;
+        assert_eq!(r.depart(1.0, ready, ready + MS, 1), ready);
+    }
+
+    #[test]
+    fn a_share_slows_the_pace() {
+        for (share, next) in [(1.0, 100), (0.5, 200), (0.25, 400)] {
+            let (mut r, t0) = rates("10/s");
+            r.depart(share, t0, t0, 1);
+            assert_eq!(r.earliest(share, t0), t0 + MS * next, "share {share}");
+        }
+    }
+
+    #[test]
+    fn due_requests_are_released_in_their_slots_only() {
+        let (mut r, t0) = rates("1000/s");
+        r.depart(1.0, t0, t0, 1);
+        let now = t0 + MS * 3;
+        let released: Vec<_> = std::iter::from_fn(|| r.depart_if_due(t0, t0, now, 1))
+            .map(|slot| (slot - t0).as_millis())
+            .collect();
+        assert_eq!(released, [1, 2, 3]);
+    }
+
+    #[test]
+    fn backlog_and_idle() {
+        let (mut r, t0) = rates("10/s");
+        assert!(r.is_idle(t0));
+        r.depart(1.0, t0, t0, 1);
+        assert!(!r.is_idle(t0));
+        assert_eq!(r.backlog(t0, 2), MS * 300);
+        assert!(r.is_idle(t0 + MS * 100));
+    }
+}

@@ -1,0 +1,87 @@
+//! Where a group's budget is kept: in this process, or in Redis for every replica.
+//!
+//! The head of a queue asks the store for its slot ([`Store::book`]). The memory store
+//! answers from the group's own [`super::rate::Rates`] and the departure is recorded
+//! when the request actually leaves (so a head whose client goes spends no slot). The
+//! Redis store books the slot atomically in Redis, one round trip, and has nothing to
+//! record afterwards; while Redis does not answer it falls back to the local rates at
+//! this replica's share (`on_backend_error = "local"`) or refuses (`"deny"`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::redis::Redis;
+use super::{Group, Refusal};
+use crate::config::OnBackendError;
+
+/// A group's store.
+#[derive(Clone)]
+pub enum Store {
+    /// This process only.
+    Memory,
+    /// Shared by the replicas that use this Redis.
+    Redis(Arc<Redis>),
+}
+
+/// The slot the store gave the head of a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// The local rates let it leave at this time; its departure is still to be
+    /// recorded, at that time or later.
+    Local(Instant),
+    /// Booked in the shared store for this time: already counted.
+    Booked(Instant),
+}
+
+impl Store {
+    /// The fraction of the group's rates this process enforces locally: all of them,
+    /// or while Redis is down this replica's share (rate / replicas).
+    pub fn local_share(&self) -> f64 {
+        match self {
+            Store::Redis(redis) if !redis.is_up() => 1.0 / f64::from(redis.replicas()),
+            _ => 1.0,
+        }
+    }
+
+    /// Whether the local rates are the budget (the memory store, or Redis down): then
+    /// the head may also release the requests behind it that are due.
+    pub fn is_local(&self) -> bool {
+        match self {
+            Store::Memory => true,
+            Store::Redis(redis) => !redis.is_up(),
+        }
+    }
+
+    /// The slot of a request of `cost` at the head of `group`'s queue, asked at `now`.
+    pub async fn book(&self, group: &Group, cost: u32, now: Instant) -> Result<Slot, Refusal> {
+        if let Store::Redis(redis) = self {
+            let rates = group.lock().rates.in_force().to_vec();
+            if let Some(booking) = redis.reserve(&group.name, &rates, cost).await {
+                // Counted from when the answer came, not from `now`: the round trip
+                // is part of the wait.
+                let answered = Instant::now();
+                if let Some(pause) = booking.paused_for {
+                    // Another replica's push-back: requests already waiting here
+                    // honour it too.
+                    group.lock().pause.extend(answered + pause);
+                }
+                return Ok(Slot::Booked(answered + booking.wait));
+            }
+            if redis.on_error == OnBackendError::Deny {
+                return Err(Refusal::BackendDown);
+            }
+        }
+        let share = self.local_share();
+        Ok(Slot::Local(group.lock().rates.earliest(share, now)))
+    }
+
+    /// Tells the other replicas that the group is paused for `pause`.
+    pub fn pause(&self, group: &Arc<str>, pause: Duration) {
+        if let Store::Redis(redis) = self {
+            let (redis, group) = (redis.clone(), group.clone());
+            tokio::spawn(async move { redis.pause(&group, pause).await });
+        }
+    }
+}

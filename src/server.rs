@@ -1,0 +1,352 @@
+//! The listener: accepts client connections and serves them with hyper until shutdown.
+//!
+//! Each connection is a task on the runtime. It speaks HTTP/1.1 with keep-alive (and
+//! upgrades, so CONNECT can take it over), or HTTP/2 when the client opens with its
+//! preface (prior knowledge). Every request is [`Proxy::handle`]'s, whatever its
+//! version or its place on the connection.
+//!
+//! Shutdown: stop accepting, ask every connection to finish the request in hand and
+//! close (HTTP/1 closes after the response, HTTP/2 sends GOAWAY), wait for them and the
+//! open tunnels for up to `shutdown_grace`, then close whatever is left.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use http::{Method, Request};
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{self, Holding};
+use crate::config::{Config, ConfigError};
+use crate::proxy::Proxy;
+use crate::tunnel::KeepWhileOpen;
+
+/// How often an HTTP/2 client is pinged to tell a live idle connection from a dead one.
+const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
+
+/// Builds the proxy from `config` and serves `listener` (and the admin endpoints on
+/// `admin`, when given) until `shutdown` completes, then drains for up to
+/// `proxy.shutdown_grace`. The caller binds the listeners, so tests pass ones bound to
+/// port 0.
+pub async fn run(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ConfigError> {
+    let proxy = Arc::new(Proxy::new(&config)?);
+    proxy.start_background();
+    let stop = CancellationToken::new();
+    // However this function ends, the admin listener stops with it.
+    let _stop_at_exit = stop.clone().drop_guard();
+    if let Some(admin) = admin {
+        tokio::spawn(crate::admin::serve(
+            admin,
+            proxy.clone(),
+            stop.clone().cancelled_owned(),
+        ));
+    }
+
+    let header_timeout = config.proxy.client_header_timeout.0;
+    let mut http1 = http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        // Against slowloris; hyper also applies it while a keep-alive connection is idle.
+        .header_read_timeout(header_timeout);
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEP_ALIVE);
+    let protocols = Arc::new(Protocols {
+        http1,
+        http2,
+        header_timeout,
+    });
+
+    // Every client connection is a task here; `drain` asks them to finish the request
+    // in hand and close, and `cut` closes whatever is left after the grace.
+    let connections = TaskTracker::new();
+    let drain = CancellationToken::new();
+    let cut = CancellationToken::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, remote) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let Ok(local) = stream.local_addr() else {
+            continue;
+        };
+        let client = Client {
+            proxy: proxy.clone(),
+            protocols: protocols.clone(),
+            local,
+            remote,
+        };
+        connections.spawn(client.serve(stream, drain.clone(), cut.clone()));
+    }
+    drop(listener);
+
+    let grace = config.proxy.shutdown_grace.0;
+    tracing::info!(
+        connections = connections.len(),
+        grace = %humantime::format_duration(grace),
+        "shutting down"
+    );
+    drain.cancel();
+    connections.close();
+    proxy.tunnels().close();
+    let drained = async {
+        connections.wait().await;
+        proxy.tunnels().wait().await;
+    };
+    if tokio::time::timeout(grace, drained).await.is_err() {
+        tracing::warn!(
+            connections = connections.len(),
+            tunnels = proxy.tunnels().len(),
+            "shutdown_grace elapsed; closing what is still open"
+        );
+        cut.cancel();
+        proxy.cut_tunnels();
+        // The cut tasks end at their next poll; let them, so nothing outlives `run`.
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            connections.wait().await;
+            proxy.tunnels().wait().await;
+        })
+        .await;
+    }
+    Ok(())
+}
+
+/// The two HTTP versions a client may speak, configured once.
+struct Protocols {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+    /// `client_header_timeout`: how long a new connection may take to show which
+    /// version it speaks, and how long an HTTP/2 connection may go without a request.
+    header_timeout: Duration,
+}
+
+/// One accepted client connection.
+struct Client {
+    proxy: Arc<Proxy>,
+    protocols: Arc<Protocols>,
+    /// The address the client connected to (transparent routes depend on it).
+    local: SocketAddr,
+    remote: SocketAddr,
+}
+
+/// What every HTTP/2 connection opens with (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+impl Client {
+    /// Serves the connection with the HTTP version its first bytes show, until it ends,
+    /// `drain` asks it to finish (it then closes after the requests in hand), or `cut`.
+    async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
+        let remote = self.remote;
+        let h2 = tokio::select! {
+            h2 = tokio::time::timeout(self.protocols.header_timeout, speaks_h2(&stream)) => h2,
+            () = drain.cancelled() => return,
+        };
+        let ended = match h2 {
+            Ok(Ok(true)) => self.serve_http2(stream, &drain, &cut).await,
+            Ok(Ok(false)) => self.serve_http1(stream, &drain, &cut).await,
+            Ok(Err(e)) => {
+                tracing::debug!(%remote, error = %e, "client connection failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%remote, "client sent no request");
+                return;
+            }
+        };
+        match ended {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                tracing::debug!(%remote, error = %e, "client connection ended with an error")
+            }
+            None => tracing::debug!(%remote, "connection cut at shutdown"),
+        }
+    }
+
+    async fn serve_http1(
+        self,
+        stream: TcpStream,
+        drain: &CancellationToken,
+        cut: &CancellationToken,
+    ) -> Option<Result<(), hyper::Error>> {
+        let (proxy, local) = (self.proxy, self.local);
+        let service = service_fn(move |req: Request<Incoming>| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
+        });
+        let conn = self
+            .protocols
+            .http1
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut).await
+    }
+
+    /// hyper's HTTP/2 server has no header timeout, so `client_header_timeout` is kept
+    /// here: once no request has been open on the connection for that long, it is
+    /// closed gracefully (GOAWAY), as HTTP/1 closes an idle keep-alive connection, and
+    /// dropped if the client still holds it idle after as long again.
+    async fn serve_http2(
+        self,
+        stream: TcpStream,
+        drain: &CancellationToken,
+        cut: &CancellationToken,
+    ) -> Option<Result<(), hyper::Error>> {
+        let (proxy, local) = (self.proxy, self.local);
+        let idle = Arc::new(Idle::new());
+        let service = {
+            let idle = idle.clone();
+            service_fn(move |mut req: Request<Incoming>| {
+                let proxy = proxy.clone();
+                let open = Arc::new(Idle::opened(&idle));
+                if req.method() == Method::CONNECT {
+                    // A tunnel is an open stream until it closes, long after its `200`.
+                    req.extensions_mut().insert(KeepWhileOpen(open.clone()));
+                }
+                async move {
+                    let response = proxy.handle(req, local).await;
+                    // The stream is open until its response body has been sent.
+                    Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, open))))
+                }
+            })
+        };
+        let conn = self
+            .protocols
+            .http2
+            .serve_connection(TokioIo::new(stream), service);
+        // Its own drain token, so that an idle close does not touch other connections.
+        let drain = drain.child_token();
+        let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut);
+        let limit = self.protocols.header_timeout;
+        let watch = async {
+            idle.for_at_least(limit).await;
+            drain.cancel();
+            tokio::time::sleep(limit).await;
+            idle.for_at_least(limit).await;
+        };
+        tokio::select! {
+            ended = serving => ended,
+            () = watch => {
+                tracing::debug!("closed an idle HTTP/2 connection that ignored GOAWAY");
+                Some(Ok(()))
+            }
+        }
+    }
+}
+
+/// Whether the client opens with HTTP/2's preface, from its first bytes, peeked so
+/// that hyper reads them again. (hyper-util's `auto` connection reads them itself and
+/// hands them back in front of the socket, which grows hyper's read buffer on the
+/// first request of every connection.)
+async fn speaks_h2(stream: &TcpStream) -> std::io::Result<bool> {
+    let mut first = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = stream.peek(&mut first).await?;
+        if n == 0 || !H2_PREFACE.starts_with(&first[..n]) {
+            return Ok(false);
+        }
+        if n == H2_PREFACE.len() {
+            return Ok(true);
+        }
+        // Part of the preface: peeking again at once would see the same bytes.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// How many requests are open on one HTTP/2 connection, and since when none has been.
+struct Idle(Mutex<(usize, Instant)>);
+
+/// One open request of an [`Idle`]-watched connection; closing it is dropping it.
+struct OpenRequest(Arc<Idle>);
+
+impl Idle {
+    fn new() -> Idle {
+        Idle(Mutex::new((0, Instant::now())))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, (usize, Instant)> {
+        // Two plain numbers: valid after any panic of a holder.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn opened(this: &Arc<Idle>) -> OpenRequest {
+        this.lock().0 += 1;
+        OpenRequest(this.clone())
+    }
+
+    /// Resolves once no request has been open for `limit`.
+    async fn for_at_least(&self, limit: Duration) {
+        loop {
+            let (open, since) = *self.lock();
+            let wake = match open {
+                0 if since.elapsed() >= limit => return,
+                0 => since + limit,
+                // Busy: look again later (it cannot go idle for `limit` sooner).
+                _ => Instant::now() + limit,
+            };
+            tokio::time::sleep_until(wake).await;
+        }
+    }
+}
+
+impl Drop for OpenRequest {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.0 -= 1;
+        if state.0 == 0 {
+            state.1 = Instant::now();
+        }
+    }
+}
+
+/// Drives a hyper connection to its end; when `drain` completes first, starts its
+/// graceful shutdown (`shut`) and goes on; `None` when `cut` closed it.
+async fn until_closed<C, E>(
+    conn: C,
+    shut: impl FnOnce(Pin<&mut C>),
+    drain: impl Future<Output = ()>,
+    cut: &CancellationToken,
+) -> Option<Result<(), E>>
+where
+    C: Future<Output = Result<(), E>>,
+{
+    tokio::pin!(conn);
+    tokio::select! {
+        // The connection first: hyper closes one it is told to shut down before it has
+        // read anything, so its first poll must read a request that is already there.
+        biased;
+        ended = conn.as_mut() => return Some(ended),
+        () = drain => shut(conn.as_mut()),
+    }
+    tokio::select! {
+        ended = conn => Some(ended),
+        _ = cut.cancelled() => None,
+    }
+}
