@@ -1,0 +1,453 @@
+//! `config.toml`: the user's contract.
+//!
+//! Everything is parsed and checked here, at start, so that the data path never has to
+//! handle a malformed setting. Values with a grammar of their own (durations, rates,
+//! ports, URLs) are newtypes whose `Deserialize` validates them, so a bad value is reported
+//! by `toml` with the exact span it came from; [`Config::parse`] turns that span into
+//! `file:line:column`. Checks that need several fields (a route naming an unknown limit
+//! group, the same host in two groups) keep the span of the field with [`Spanned`].
+//!
+//! This file holds [`Config`], its errors, and the checks that span tables (a
+//! `[[limit]]` inheriting `[defaults]`, a route naming a limit); the value types are in
+//! `values.rs` and the tables in `tables.rs`. Both are re-exported here, so every type
+//! is `crate::config::Name` whichever file defines it.
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::path::Path;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+mod tables;
+mod values;
+
+pub use tables::{
+    AdminConfig, BackendConfig, BackendKind, GroupSettings, LimitGroup, OnBackendError,
+    ProxyConfig, RouteConfig,
+};
+
+pub use values::{
+    ByteSize, ConnectPorts, CostRule, Dur, HostPattern, Rate, Rates, RedisUrl, RoutePrefix,
+    StatusCode, UpstreamUrl,
+};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    /// The proxy listener and its connections.
+    pub proxy: ProxyConfig,
+    /// Gateway routes: `/prefix/...` on the proxy → an upstream base URL.
+    pub routes: Vec<RouteConfig>,
+    /// Settings for hosts that match no `[[limit]]`, and defaults for those that do.
+    pub defaults: GroupSettings,
+    /// Named groups of hosts sharing one budget, with their settings resolved.
+    pub limits: Vec<LimitGroup>,
+    /// The admin listener (`/metrics`, `/healthz`, `/status`); off when absent.
+    pub admin: Option<AdminConfig>,
+    /// Where limit state lives: in this process, or in Redis shared by replicas.
+    pub backend: BackendConfig,
+}
+
+/// A configuration that could not be loaded, with where and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        /// The file name as given.
+        file: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A value or the TOML syntax is wrong at a known place.
+    #[error("{file}:{line}:{column}: {message}")]
+    Invalid {
+        /// The file name as given.
+        file: String,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column (in characters).
+        column: usize,
+        /// What was wrong and what was expected.
+        message: String,
+    },
+    /// A file that is not tied to one place (e.g. `ca_file`) is unusable.
+    #[error("{file}: {message}")]
+    Other {
+        /// The file name as given.
+        file: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+impl Config {
+    /// Reads and checks a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Config::parse(&text, &file)
+    }
+
+    /// Parses and checks configuration text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let at = |span: Option<Range<usize>>, message: String| {
+            let (line, column) = line_column(text, span.map_or(0, |s| s.start));
+            ConfigError::Invalid {
+                file: file.to_string(),
+                line,
+                column,
+                message,
+            }
+        };
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
+        raw.check()
+            .map_err(|(span, message)| at(Some(span), message))
+    }
+}
+
+/// The file as deserialized, before the checks that span several fields.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    proxy: ProxyConfig,
+    #[serde(default)]
+    route: Vec<Spanned<RouteConfig>>,
+    #[serde(default)]
+    defaults: RawSettings,
+    #[serde(default)]
+    limit: Vec<Spanned<RawSettings>>,
+    #[serde(default)]
+    admin: Option<AdminConfig>,
+    #[serde(default)]
+    backend: Option<Spanned<BackendConfig>>,
+}
+
+/// A `[defaults]` or `[[limit]]` table as written: every key optional, so a `[[limit]]`
+/// inherits what it does not set. `name` and `hosts` only belong in a `[[limit]]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettings {
+    name: Option<Spanned<String>>,
+    hosts: Option<Spanned<Vec<HostPattern>>>,
+    rate: Option<Rates>,
+    burst: Option<Spanned<u32>>,
+    concurrency: Option<Spanned<usize>>,
+    queue: Option<Spanned<usize>>,
+    max_wait: Option<Dur>,
+    #[serde(default)]
+    costs: Vec<Spanned<CostRule>>,
+    max_replay_body: Option<ByteSize>,
+    retry_statuses: Option<Vec<StatusCode>>,
+    max_retries: Option<u32>,
+    max_pause: Option<Dur>,
+    adaptive: Option<Spanned<bool>>,
+    min_rate: Option<Spanned<Rate>>,
+    shared_concurrency: Option<bool>,
+}
+
+type Located = (Range<usize>, String);
+
+impl RawSettings {
+    /// These settings over `base`, checked.
+    fn resolve(self, base: &GroupSettings) -> Result<GroupSettings, Located> {
+        fn at_least_one<T: Copy + PartialOrd + From<u8>>(
+            value: Option<Spanned<T>>,
+            key: &str,
+            fallback: T,
+        ) -> Result<T, Located> {
+            match value {
+                Some(v) if *v.get_ref() < T::from(1) => {
+                    Err((v.span(), format!("{key} must be at least 1")))
+                }
+                Some(v) => Ok(v.into_inner()),
+                None => Ok(fallback),
+            }
+        }
+        for rule in &self.costs {
+            if rule.get_ref().cost == 0 {
+                return Err((rule.span(), "cost must be at least 1".into()));
+            }
+        }
+        let rates_set = self
+            .rate
+            .as_ref()
+            .map_or(!base.rates.is_empty(), |r| !r.0.is_empty());
+        let adaptive = match &self.adaptive {
+            Some(a) if *a.get_ref() && !rates_set => {
+                return Err((
+                    a.span(),
+                    "adaptive = true needs a rate to start from".into(),
+                ));
+            }
+            Some(a) => *a.get_ref(),
+            None => base.adaptive,
+        };
+        Ok(GroupSettings {
+            rates: self.rate.map_or_else(|| base.rates.clone(), |r| r.0),
+            burst: at_least_one(self.burst, "burst", base.burst)?,
+            concurrency: at_least_one(self.concurrency, "concurrency", base.concurrency)?,
+            queue: at_least_one(self.queue, "queue", base.queue)?,
+            max_wait: self.max_wait.map_or(base.max_wait, |d| d.0),
+            costs: if self.costs.is_empty() {
+                base.costs.clone()
+            } else {
+                self.costs.into_iter().map(Spanned::into_inner).collect()
+            },
+            max_replay_body: self.max_replay_body.map_or(base.max_replay_body, |b| b.0),
+            retry_statuses: self.retry_statuses.map_or_else(
+                || base.retry_statuses.clone(),
+                |s| s.into_iter().map(|c| c.0).collect(),
+            ),
+            max_retries: self.max_retries.unwrap_or(base.max_retries),
+            max_pause: self.max_pause.map_or(base.max_pause, |d| d.0),
+            adaptive,
+            min_rate: self.min_rate.map(Spanned::into_inner).or(base.min_rate),
+            shared_concurrency: self.shared_concurrency.unwrap_or(base.shared_concurrency),
+        })
+    }
+}
+
+impl RawConfig {
+    fn check(self) -> Result<Config, Located> {
+        if let Some(span) = self
+            .defaults
+            .name
+            .as_ref()
+            .map(Spanned::span)
+            .or_else(|| self.defaults.hosts.as_ref().map(Spanned::span))
+        {
+            return Err((
+                span,
+                "name and hosts belong in a [[limit]], not in [defaults]".into(),
+            ));
+        }
+        let defaults = self.defaults.resolve(&GroupSettings::default())?;
+        if let Some(backend) = &self.backend {
+            let (span, b) = (backend.span(), backend.get_ref());
+            if b.kind == BackendKind::Redis && b.url.is_none() {
+                return Err((span, "kind = \"redis\" needs a url".into()));
+            }
+            if b.replicas == Some(0) {
+                return Err((span, "replicas must be at least 1".into()));
+            }
+        }
+
+        let mut limits: Vec<LimitGroup> = Vec::new();
+        let mut hosts = HashSet::new();
+        for limit in self.limit {
+            let span = limit.span();
+            let mut settings = limit.into_inner();
+            let name = settings
+                .name
+                .take()
+                .map(Spanned::into_inner)
+                .unwrap_or_default();
+            let group_hosts = settings
+                .hosts
+                .take()
+                .map(Spanned::into_inner)
+                .unwrap_or_default();
+            if name.trim().is_empty() {
+                return Err((span, "a [[limit]] needs a name".into()));
+            }
+            if limits.iter().any(|l| l.name == name) {
+                return Err((span, format!("limit {name:?} is defined twice")));
+            }
+            if group_hosts.is_empty() {
+                return Err((span, format!("limit {name:?} lists no hosts")));
+            }
+            for host in &group_hosts {
+                if !hosts.insert(host.clone()) {
+                    return Err((span, format!("host {host:?} is in two [[limit]] groups")));
+                }
+            }
+            limits.push(LimitGroup {
+                name,
+                hosts: group_hosts,
+                settings: settings.resolve(&defaults)?,
+            });
+        }
+
+        let mut prefixes = HashSet::new();
+        for route in &self.route {
+            let r = route.get_ref();
+            if !prefixes.insert(r.prefix.as_str().to_string()) {
+                return Err((
+                    route.span(),
+                    format!("route prefix {:?} is defined twice", r.prefix.as_str()),
+                ));
+            }
+            if let Some(name) = &r.limit {
+                if !limits.iter().any(|l| &l.name == name) {
+                    let known: Vec<&str> = limits.iter().map(|l| l.name.as_str()).collect();
+                    return Err((
+                        route.span(),
+                        format!("route {:?} names limit {name:?}, which is not defined (limits: {known:?})", r.prefix.as_str()),
+                    ));
+                }
+            }
+        }
+        Ok(Config {
+            proxy: self.proxy,
+            routes: self.route.into_iter().map(Spanned::into_inner).collect(),
+            defaults,
+            limits,
+            admin: self.admin,
+            backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
+        })
+    }
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (line, before[line_start..].chars().count() + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn err(text: &str) -> String {
+        Config::parse(text, "t.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let c = Config::parse("", "t.toml").unwrap();
+        assert_eq!(c.proxy.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(c.proxy.connect_ports, ConnectPorts::Only(vec![443]));
+        assert_eq!(c.proxy.connect_timeout.0, Duration::from_secs(10));
+        assert!(c.routes.is_empty());
+    }
+
+    #[test]
+    fn durations_ports_and_routes_parse() {
+        let c = Config::parse(
+            r#"
+            [proxy]
+            connect_timeout = "250ms"
+            shutdown_grace = "5m"
+            connect_ports = ["*"]
+            [[route]]
+            prefix = "/gh"
+            upstream = "https://api.github.com/v3/"
+            "#,
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(c.proxy.connect_timeout.0, Duration::from_millis(250));
+        assert_eq!(c.proxy.shutdown_grace.0, Duration::from_secs(300));
+        assert!(c.proxy.connect_ports.allows(22));
+        assert_eq!(c.routes[0].prefix.as_str(), "/gh/");
+        assert_eq!(c.routes[0].upstream.base_path, "/v3");
+        assert_eq!(
+            c.routes[0].upstream.to_string(),
+            "https://api.github.com/v3"
+        );
+    }
+
+    #[test]
+    fn unknown_key_names_line_and_column() {
+        let e = err("[proxy]\nlisten = \"127.0.0.1:1\"\n  conect_timeout = \"1s\"\n");
+        assert!(
+            e.starts_with("t.toml:3:3: unknown field `conect_timeout`"),
+            "{e}"
+        );
+        assert!(e.contains("expected one of"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_say_what_was_expected() {
+        let e = err("[proxy]\nconnect_timeout = \"10 parsecs\"\n");
+        assert!(e.starts_with("t.toml:2:19: invalid duration"), "{e}");
+        let e = err("[proxy]\nconnect_ports = [443, 0]\n");
+        assert!(e.contains("invalid port 0"), "{e}");
+        let e = err("[[route]]\nprefix = \"/a/\"\nupstream = \"ftp://x\"\n");
+        assert!(
+            e.starts_with("t.toml:3:12:") && e.contains("http or https"),
+            "{e}"
+        );
+        let e = err("[[route]]\nprefix = \"a\"\nupstream = \"http://x\"\n");
+        assert!(e.contains("starting with '/'"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_prefix_is_refused_where_it_is() {
+        let e = err("[[route]]\nprefix = \"/a\"\nupstream = \"http://x\"\n\n[[route]]\nprefix = \"/a/\"\nupstream = \"http://y\"\n");
+        assert!(e.starts_with("t.toml:5:1:"), "{e}"); // the second [[route]]
+        assert!(e.contains("defined twice"), "{e}");
+    }
+
+    #[test]
+    fn limits_inherit_defaults_and_parse_rates() {
+        let c = Config::parse(
+            r#"
+            [defaults]
+            rate = "50/s"
+            concurrency = 16
+            max_wait = "5s"
+            [[limit]]
+            name = "github"
+            hosts = ["api.github.com", "*.githubusercontent.com"]
+            rate = ["10/s", "5000/h", "100/10s"]
+            burst = 5
+            costs = [{ method = "post", path_prefix = "/search", cost = 5 }]
+            [[route]]
+            prefix = "/gh/"
+            upstream = "https://api.github.com"
+            limit = "github"
+            "#,
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(c.defaults.rates[0].limit, 50);
+        let gh = &c.limits[0].settings;
+        assert_eq!(gh.rates.len(), 3);
+        assert_eq!(gh.rates[2].period, Duration::from_secs(10));
+        assert_eq!((gh.burst, gh.concurrency, gh.queue), (5, 16, 10_000));
+        assert_eq!(gh.max_wait, Duration::from_secs(5));
+        assert_eq!(gh.cost_of(&http::Method::POST, "/search/code"), 5);
+        assert_eq!(gh.cost_of(&http::Method::GET, "/search/code"), 1);
+        assert_eq!(
+            c.limits[0].hosts[1],
+            HostPattern::Suffix(".githubusercontent.com".into())
+        );
+        assert_eq!(c.routes[0].limit.as_deref(), Some("github"));
+    }
+
+    #[test]
+    fn limit_errors_point_at_the_problem() {
+        let e = err("[defaults]\nrate = \"10/fortnight\"\n");
+        assert!(e.starts_with("t.toml:2:8: invalid rate"), "{e}");
+        let e = err("[[limit]]\nname = \"a\"\nhosts = [\"x\"]\nburst = 0\n");
+        assert!(e.starts_with("t.toml:4:9: burst must be at least 1"), "{e}");
+        let e = err("[[limit]]\nname = \"a\"\nhosts = [\"x\"]\nrates = \"1/s\"\n");
+        assert!(e.contains("unknown field `rates`"), "{e}");
+        let e = err(
+            "[[limit]]\nname = \"a\"\nhosts = [\"x\"]\n[[limit]]\nname = \"b\"\nhosts = [\"x\"]\n",
+        );
+        assert!(
+            e.starts_with("t.toml:4:1:") && e.contains("two [[limit]] groups"),
+            "{e}"
+        );
+        let e = err("[[route]]\nprefix = \"/a/\"\nupstream = \"http://x\"\nlimit = \"nope\"\n");
+        assert!(
+            e.contains("names limit \"nope\", which is not defined"),
+            "{e}"
+        );
+        let e = err("[defaults]\nmax_replay_body = \"1 parsec\"\n");
+        assert!(e.contains("invalid size"), "{e}");
+    }
+}

@@ -1,0 +1,208 @@
+//! The tables of `config.toml` as the rest of the crate reads them, with their
+//! defaults: `[proxy]`, `[[route]]`, `[admin]` and `[backend]` as written, and
+//! `[defaults]` and `[[limit]]` as [`GroupSettings`] and [`LimitGroup`] once a limit has
+//! inherited what it does not set (`mod.rs` does that, as it needs both tables).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::values::{
+    ConnectPorts, CostRule, Dur, HostPattern, Rate, RedisUrl, RoutePrefix, UpstreamUrl,
+};
+
+/// `[proxy]`: where tollgate listens and how it talks to upstreams.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProxyConfig {
+    /// Address of the proxy listener (`--listen` overrides it).
+    pub listen: SocketAddr,
+    /// Ports a CONNECT tunnel may reach.
+    pub connect_ports: ConnectPorts,
+    /// Longest time to resolve, connect and finish the TLS handshake with an upstream.
+    pub connect_timeout: Dur,
+    /// Longest time from sending a request upstream to receiving its response head. It
+    /// is checked every eighth of its value, at most every second, so it fires up to that
+    /// much late (`coarse_timer` says why).
+    pub response_timeout: Dur,
+    /// Longest time a client may take to send a request head; it is also how long a
+    /// client connection with no request open is kept (HTTP/1.1 keep-alive, and HTTP/2,
+    /// which gets a GOAWAY and is dropped after as long again if still idle). On HTTP/1
+    /// it is checked every eighth of its value, at most every second, so it fires up to
+    /// that much late (`coarse_timer` says why). It never cuts a request or response
+    /// body still under way, nor an open tunnel (`tests/timeouts.rs`).
+    pub client_header_timeout: Dur,
+    /// How long an idle pooled connection to an upstream is kept for reuse.
+    pub upstream_idle_timeout: Dur,
+    /// Extra PEM root certificates trusted for upstream TLS, beside the public web roots.
+    pub ca_file: Option<PathBuf>,
+    /// After SIGTERM/SIGINT, how long in-flight requests and tunnels may take to finish.
+    pub shutdown_grace: Dur,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            connect_ports: ConnectPorts::Only(vec![443]),
+            connect_timeout: Dur::secs(10),
+            response_timeout: Dur::secs(60),
+            client_header_timeout: Dur::secs(30),
+            upstream_idle_timeout: Dur::secs(90),
+            ca_file: None,
+            shutdown_grace: Dur::secs(30),
+        }
+    }
+}
+
+/// `[[route]]`: a gateway route.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Path prefix on the proxy, always starting and ending with `/`.
+    pub prefix: RoutePrefix,
+    /// Base URL the rest of the path is appended to.
+    pub upstream: UpstreamUrl,
+    /// The `[[limit]]` group this route's requests count against; by default the
+    /// group of the upstream's host.
+    #[serde(default)]
+    pub limit: Option<String>,
+}
+
+/// A group's settings, resolved: a `[[limit]]`'s own values over `[defaults]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSettings {
+    /// Rates that must all allow a request; empty means no rate limit.
+    pub rates: Vec<Rate>,
+    /// Requests that may leave back to back after idle time.
+    pub burst: u32,
+    /// Requests in flight at once (a permit is held until the response body ends).
+    pub concurrency: usize,
+    /// Requests that may wait in the queue; past that, new ones get 503.
+    pub queue: usize,
+    /// The longest one request may wait in the queue.
+    pub max_wait: Duration,
+    /// Request weights by method and path prefix; the first matching rule wins.
+    pub costs: Vec<CostRule>,
+    /// Request bodies up to this size are read before queueing, so a client that
+    /// leaves while queued is noticed (and the request can be replayed).
+    pub max_replay_body: u64,
+    /// Upstream statuses that mean "slow down": they pause the group, and the request
+    /// is retried. A 503 without `Retry-After` is passed through (a real outage).
+    pub retry_statuses: Vec<u16>,
+    /// How many times one request is retried after push-back before the client gets
+    /// the upstream's answer.
+    pub max_retries: u32,
+    /// The longest pause an upstream can impose (and the cap of the fallback backoff).
+    pub max_pause: Duration,
+    /// Halve the effective rate on each push-back and climb back when calm.
+    pub adaptive: bool,
+    /// The floor of the adaptive rate.
+    pub min_rate: Option<Rate>,
+    /// With the Redis backend: count in-flight requests across all replicas (leases in
+    /// Redis) instead of per replica.
+    pub shared_concurrency: bool,
+}
+
+impl Default for GroupSettings {
+    fn default() -> Self {
+        GroupSettings {
+            rates: Vec::new(),
+            burst: 1,
+            concurrency: 256,
+            queue: 10_000,
+            max_wait: Duration::from_secs(60),
+            costs: Vec::new(),
+            max_replay_body: 1 << 20,
+            retry_statuses: vec![429, 503],
+            max_retries: 3,
+            max_pause: Duration::from_secs(600),
+            adaptive: false,
+            min_rate: None,
+            shared_concurrency: false,
+        }
+    }
+}
+
+impl GroupSettings {
+    /// The cost of a request: the first matching rule's, else 1.
+    pub fn cost_of(&self, method: &http::Method, path: &str) -> u32 {
+        self.costs
+            .iter()
+            .find(|rule| rule.matches(method, path))
+            .map_or(1, |rule| rule.cost)
+    }
+}
+
+/// A named group: hosts that share one budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitGroup {
+    /// The group's name, shown in metrics, errors and `/status`.
+    pub name: String,
+    /// Host names or `*.domain` patterns that belong to the group.
+    pub hosts: Vec<HostPattern>,
+    /// The resolved settings.
+    pub settings: GroupSettings,
+}
+
+/// `[admin]`: the listener for metrics and status, kept apart from proxied traffic.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Address of the admin listener.
+    pub listen: SocketAddr,
+}
+
+/// `[backend]`: where limit state lives.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendConfig {
+    /// `memory` (this process only) or `redis` (shared by every replica using it).
+    pub kind: BackendKind,
+    /// `redis://[:password@]host:port/db` or `rediss://` for TLS.
+    pub url: Option<RedisUrl>,
+    /// Prefix of every key tollgate writes.
+    pub key_prefix: String,
+    /// The longest a request waits for Redis before tollgate treats it as down.
+    pub timeout: Dur,
+    /// What to do while Redis is unreachable.
+    pub on_backend_error: OnBackendError,
+    /// How many replicas share the budget, for the local fallback (rate / replicas);
+    /// by default, the replicas seen alive in Redis recently.
+    pub replicas: Option<u32>,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig {
+            kind: BackendKind::Memory,
+            url: None,
+            key_prefix: "tollgate:".into(),
+            timeout: Dur(Duration::from_millis(50)),
+            on_backend_error: OnBackendError::Local,
+            replicas: None,
+        }
+    }
+}
+
+/// Where limit state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// In this process.
+    Memory,
+    /// In Redis, shared by replicas.
+    Redis,
+}
+
+/// What requests get while the shared store is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBackendError {
+    /// Keep serving with local limits at rate / replicas.
+    Local,
+    /// Refuse with 503.
+    Deny,
+}
