@@ -1,4 +1,4 @@
-# Shared by the bash benchmarks (bench-forward-cpu, bench-instructions; sourced, not
+# Shared by the bash benchmarks (bench-forward-cpu; sourced, not
 # run): the configurations they give tollgate and nginx, so that "queued at R/s" means the
 # same in both, and the same as peers.sh's `tollgate-limit` and `nginx-limit`.
 

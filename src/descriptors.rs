@@ -9,9 +9,8 @@
 //! 128, …, 4 096, …) when a new descriptor does not fit, and in a multi-threaded process
 //! each growth waits out an RCU grace period (`synchronize_rcu` in the kernel's
 //! `expand_fdtable`). Meanwhile every thread that opens a descriptor sleeps: accepts and
-//! upstream connects stop, for 20–50 ms on the machines BENCHMARKS.md was measured on.
-//! A group at `50/s` then sends one request that much late, and all later slots with it
-//! (BENCHMARKS.md, "Throttle accuracy"). Grown here, while the process has one thread,
+//! upstream connects stop, for 20–50 ms on a 2-core machine. A group at `50/s` then
+//! sends one request that much late, and all later slots with it. Grown here, while the process has one thread,
 //! the table never needs that wait below [`TABLE_AT_START`] descriptors. The table only
 //! costs kernel memory: 8 bytes per slot, 128 KiB for 16 384.
 

@@ -45,8 +45,7 @@ pub enum Verdict {
 /// Judges an upstream response. Pure: the time and the jitter come in as arguments.
 ///
 /// `now` reads our wall clock at the response; it is called only for a response that
-/// says when to come back or carries rate-limit headers (nearly every response has
-/// neither, and the read was one of the nine clock reads of a forwarded request).
+/// says when to come back or carries rate-limit headers.
 /// `pushbacks_in_row` counts the group's push-backs since its last normal answer, for the
 /// fallback backoff; `jitter` is in `[0, 1)`.
 pub fn judge(

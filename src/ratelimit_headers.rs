@@ -87,9 +87,8 @@ const EPOCH_MILLIS_MIN: u64 = 1_000_000_000_000;
 /// Whether any header of `headers` is one of the rate-limit headers [`pause_hint`]
 /// reads (`RateLimit*`, `X-RateLimit-*`).
 ///
-/// Every response is asked and nearly none has them: one pass over the names it has is
-/// cheaper than the three look-ups of `pause_hint`, each of which hashes a long name
-/// (~0.8k instructions per response in all, callgrind).
+/// Every response is asked and nearly none has them, so this is one pass over the
+/// names the response has.
 pub fn names_a_rate_limit(headers: &HeaderMap) -> bool {
     headers.keys().any(|name| {
         let name = name.as_str();
@@ -122,9 +121,7 @@ pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> 
     if !names_a_rate_limit(headers) {
         return None;
     }
-    // `Date` is parsed only when a reset is an absolute time: nearly every response
-    // passes here without one, and the parse cost ~3 % of a forwarded request's
-    // instructions (callgrind) when it was done for all of them.
+    // `Date` matters only when a reset is an absolute time: parsed then, once.
     let date = std::cell::OnceCell::new();
     let reference = || {
         *date.get_or_init(|| {

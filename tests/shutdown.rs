@@ -319,7 +319,7 @@ async fn check_config_reports_file_line_column_and_exits_64() {
 
 /// The binary's allocator is mimalloc, built to commit its arenas as they are used (the
 /// setting in `.cargo/config.toml`): committed whole, 64 requests waiting on kept-alive
-/// connections took 82 MiB instead of 13.5 (BENCHMARKS.md, "Allocator"). mimalloc lists
+/// connections took 82 MiB instead of 13.5. mimalloc lists
 /// its options on stderr when `MIMALLOC_VERBOSE` is set; the same option set in the
 /// environment would hide a build without the setting, so it is removed.
 #[tokio::test]

@@ -360,8 +360,8 @@ async fn connect_slow_reader(proxy: &Proxy) -> TcpStream {
 /// the upstream but is still writing its last few hundred KiB (hyper's write buffer),
 /// which falls wherever the kernel's buffers put it. A header timeout started when the
 /// body ended, rather than once hyper has flushed the response and reads for the next
-/// head, cut the response there: the version tried in the eleventh session (295b625)
-/// lost the last ≈ 350 KiB of the keep-alive download in each of 3 runs.
+/// head, cuts the response there: such a proxy loses the last few hundred KiB of the
+/// keep-alive download.
 async fn read_body_with_stalls(stream: &mut TcpStream, first: Vec<u8>, len: u64) -> Digest {
     let mut hasher = Hasher::default();
     hasher.update(&first);
@@ -580,9 +580,7 @@ async fn client_header_timeout_closes_a_half_read_head_during_shutdown() {
     // Shutdown lets requests in hand finish, for up to `shutdown_grace`. A request head
     // hyper has begun to read and never gets the end of is not one: hyper's header
     // timeout closes it as at any other time, and shutdown does not wait the hour.
-    // Over 8 KiB in one write, so that the proxy hands the connection to hyper at once
-    // instead of peeking for the rest of the head first (`server/sniff.rs`,
-    // `MAX_PEEKED`), which would not reach hyper's timeout.
+    // Over 8 KiB in one write: a head hyper has surely begun to read.
     let upstream = Upstream::start(|_| Reply::ok("fine")).await;
     let mut proxy = start_proxy(&format!(
         "[proxy]\nclient_header_timeout = \"{SHORT}\"\nshutdown_grace = \"1h\"\n"
