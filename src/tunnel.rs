@@ -29,7 +29,7 @@ use crate::upstream::Dialer;
 pub struct KeepWhileOpen(pub Arc<dyn Any + Send + Sync>);
 
 /// Dials the target, answers `200`, and spawns the copy loop on `tunnels`. `hold` is
-/// kept alive until the tunnel closes (the throttle layer's concurrency permit), and so
+/// kept alive until the tunnel closes (the group's concurrency permit), and so
 /// is the request's [`KeepWhileOpen`], if any; `cut` closes the tunnel at once
 /// (shutdown after `shutdown_grace`).
 pub async fn open<H: Send + 'static>(

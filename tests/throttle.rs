@@ -272,7 +272,7 @@ async fn a_request_whose_client_left_is_never_sent() {
         ),
     )
     .await;
-    // The proxy notices a client's close on its own serving thread; under load that can
+    // The proxy notices a client's close on the task serving it; under load that can
     // come after the admin listener answers, so wait for the queue to empty first.
     wait_queued(&proxy, "one-per-2s", 0).await;
     let metrics = admin_get(&proxy, "/metrics").await;

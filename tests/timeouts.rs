@@ -322,9 +322,8 @@ async fn http2_requests_slower_than_client_header_timeout_are_answered() {
 /// header timeout running meanwhile would fire during it.
 const STALL: Duration = Duration::from_secs(1);
 
-/// How long the download test's reader stalls each time: longer than [`SHORT`] and the
-/// coarse timer's tick after it (`coarse_timer::tick`: 37.5 ms), so that a timeout
-/// started as a stall begins fires before it ends.
+/// How long the download test's reader stalls each time: longer than [`SHORT`], so that a
+/// timeout started as a stall begins fires before it ends.
 const READ_STALL: Duration = Duration::from_millis(400);
 
 /// The download. With the default `tcp_wmem` (at most 4 MiB of send buffer) and a

@@ -23,16 +23,13 @@ pub struct ProxyConfig {
     pub connect_ports: ConnectPorts,
     /// Longest time to resolve, connect and finish the TLS handshake with an upstream.
     pub connect_timeout: Dur,
-    /// Longest time from sending a request upstream to receiving its response head. It
-    /// is checked every eighth of its value, at most every second, so it fires up to that
-    /// much late (`coarse_timer` says why).
+    /// Longest time from sending a request upstream to receiving its response head.
     pub response_timeout: Dur,
     /// Longest time a client may take to send a request head; it is also how long a
     /// client connection with no request open is kept (HTTP/1.1 keep-alive, and HTTP/2,
-    /// which gets a GOAWAY and is dropped after as long again if still idle). On HTTP/1
-    /// it is checked every eighth of its value, at most every second, so it fires up to
-    /// that much late (`coarse_timer` says why). It never cuts a request or response
-    /// body still under way, nor an open tunnel (`tests/timeouts.rs`).
+    /// which gets a GOAWAY and is dropped after as long again if still idle). It never
+    /// cuts a request or response body still under way, nor an open tunnel
+    /// (`tests/timeouts.rs`).
     pub client_header_timeout: Dur,
     /// How long an idle pooled connection to an upstream is kept for reuse.
     pub upstream_idle_timeout: Dur,
