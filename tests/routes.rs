@@ -126,9 +126,7 @@ async fn http2_clients_with_prior_knowledge_are_served_over_http2() {
 }
 
 /// An HTTPS upstream that speaks HTTP/1.1 only: one pooled TLS connection carries
-/// request after request, small and big, in both directions (a TLS stream's reads are
-/// attempted only when it woke them, `when_woken.rs`; its writes are gathered or not by
-/// size, `coalesce.rs`).
+/// request after request, small and big, in both directions.
 #[tokio::test]
 async fn https_http1_upstream_carries_many_requests_on_one_connection() {
     let ca = TestCa::new();
@@ -290,8 +288,7 @@ async fn closing_tls_upstream(
     (addr, connections, requests)
 }
 
-/// A pooled TLS connection the upstream has closed is noticed while it sits idle (its
-/// reads wait for the socket's wake-up, `when_woken.rs`, and the close is one) and is
+/// A pooled TLS connection the upstream has closed is noticed while it sits idle and is
 /// not handed out again; no request reaches the upstream twice. Both ways of closing:
 /// with `close_notify`, and by dropping the TCP connection.
 #[tokio::test]

@@ -24,11 +24,8 @@ use tokio::net::TcpStream;
 use tower::Service;
 
 use crate::body::{Body, BoxError};
-use crate::coalesce::Coalesced;
-use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::ProxyConfig;
 use crate::error::ProxyError;
-use crate::when_woken::ReadsWhenWoken;
 use pool::Pool;
 
 mod pool;
@@ -195,7 +192,7 @@ impl Dialer {
 
 /// The connector is a `Service<Uri>` (the shape hyper-rustls wraps), called by the pool.
 impl Service<Uri> for Dialer {
-    type Response = TokioIo<Coalesced<TcpStream>>;
+    type Response = TokioIo<TcpStream>;
     type Error = ProxyError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ProxyError>> + Send>>;
 
@@ -211,7 +208,7 @@ impl Service<Uri> for Dialer {
                 _ => 80,
             });
             let stream = dialer.dial(uri.host().unwrap_or(""), port).await?;
-            Ok(TokioIo::new(Coalesced::new(stream)))
+            Ok(TokioIo::new(stream))
         })
     }
 }
@@ -224,11 +221,8 @@ struct Connector {
     timeout: Duration,
 }
 
-/// An upstream connection's stream: TCP, or TLS over it, with small writes coalesced
-/// under either and, over TLS, reads attempted only when woken (see
-/// [`crate::when_woken`]: an attempt that finds nothing costs a trip through rustls).
-pub(crate) type UpstreamIo =
-    ReadsWhenWoken<hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>>;
+/// An upstream connection's stream: TCP, or TLS over it.
+pub(crate) type UpstreamIo = hyper_rustls::MaybeHttpsStream<TokioIo<TcpStream>>;
 
 impl Service<Uri> for Connector {
     type Response = UpstreamIo;
@@ -245,10 +239,7 @@ impl Service<Uri> for Connector {
         let connecting = self.tls.call(uri);
         Box::pin(async move {
             match tokio::time::timeout(timeout, connecting).await {
-                Ok(result) => result.map(|io| {
-                    let tls = matches!(io, hyper_rustls::MaybeHttpsStream::Https(_));
-                    ReadsWhenWoken::new(io, tls)
-                }),
+                Ok(result) => result,
                 Err(_) => Err(ProxyError::ConnectTimeout {
                     authority,
                     after: timeout,
@@ -293,8 +284,6 @@ pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String
 pub struct Upstream {
     pool: Pool,
     response_timeout: Duration,
-    /// Bounds each request by `response_timeout`; this thread's own (see [`CoarseTimer`]).
-    timer: CoarseTimer,
 }
 
 impl Upstream {
@@ -312,7 +301,6 @@ impl Upstream {
         Ok(Upstream {
             pool: Pool::new(connector, config.upstream_idle_timeout.0),
             response_timeout: config.response_timeout.0,
-            timer: CoarseTimer::new(coarse_timer::tick(config.response_timeout.0)),
         })
     }
 
@@ -345,23 +333,21 @@ impl Upstream {
         *req.version_mut() = Version::HTTP_11;
 
         let after = self.response_timeout;
-        self.timer
-            .timeout(after, self.pool.send(req, held))
-            .map(move |outcome| {
-                let response = outcome
-                    .map_err(|_| ProxyError::ResponseTimeout {
-                        authority: authority_text(authority.as_ref(), https),
-                        after,
-                    })?
-                    .map_err(|e| {
-                        upstream_error(e.as_ref(), authority_text(authority.as_ref(), https))
-                    })?;
-                let (mut parts, body) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                add_via(&mut parts.headers, parts.version);
-                parts.version = Version::HTTP_11;
-                Ok(Response::from_parts(parts, body))
-            })
+        tokio::time::timeout(after, self.pool.send(req, held)).map(move |outcome| {
+            let response = outcome
+                .map_err(|_| ProxyError::ResponseTimeout {
+                    authority: authority_text(authority.as_ref(), https),
+                    after,
+                })?
+                .map_err(|e| {
+                    upstream_error(e.as_ref(), authority_text(authority.as_ref(), https))
+                })?;
+            let (mut parts, body) = response.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            add_via(&mut parts.headers, parts.version);
+            parts.version = Version::HTTP_11;
+            Ok(Response::from_parts(parts, body))
+        })
     }
 }
 
