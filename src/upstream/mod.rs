@@ -25,7 +25,7 @@ use tower::Service;
 
 use crate::body::{Body, BoxError};
 use crate::config::ProxyConfig;
-use crate::error::ProxyError;
+use crate::error::{ProxyError, PROXY_NAME};
 use pool::Pool;
 
 mod pool;
@@ -57,49 +57,34 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Appends tollgate to `Via` (RFC 9110 §7.6.3), keeping what earlier proxies wrote.
 pub fn add_via(headers: &mut HeaderMap, version: Version) {
-    // Constants rather than `format!`: this runs twice per request, and a formatted
-    // value would be an allocation each time. A test checks they name `PROXY_NAME`.
-    let hop = match version {
-        Version::HTTP_10 => VIA_10,
-        Version::HTTP_2 => VIA_2,
-        Version::HTTP_3 => VIA_3,
-        _ => VIA_11,
+    let protocol = match version {
+        Version::HTTP_10 => "1.0",
+        Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
+        _ => "1.1",
     };
+    let hop = HeaderValue::from_str(&format!("{protocol} {PROXY_NAME}"))
+        .expect("a protocol version and a name are a valid header");
     headers.append(header::VIA, hop);
 }
 
-const VIA_10: HeaderValue = HeaderValue::from_static("1.0 tollgate");
-const VIA_11: HeaderValue = HeaderValue::from_static("1.1 tollgate");
-const VIA_2: HeaderValue = HeaderValue::from_static("2 tollgate");
-const VIA_3: HeaderValue = HeaderValue::from_static("3 tollgate");
-
-/// Makes `Host` name `authority`, the upstream the request goes to.
+/// Makes `Host` name `authority`, the upstream the request goes to, and nothing else.
 pub fn set_host(headers: &mut HeaderMap, authority: &Authority) {
-    // Forward-proxy clients already send this very Host: only rewrite when it differs
-    // (a route, or a client that disagrees with its own URI), which saves a copy.
-    let mut hosts = headers.get_all(header::HOST).iter();
-    let same = hosts
-        .next()
-        .is_some_and(|h| h.as_bytes() == authority.as_str().as_bytes())
-        && hosts.next().is_none();
-    if !same {
-        let host =
-            HeaderValue::from_str(authority.as_str()).expect("an authority is a valid header");
-        headers.insert(header::HOST, host);
-    }
+    let host = HeaderValue::from_str(authority.as_str()).expect("an authority is a valid header");
+    headers.insert(header::HOST, host);
 }
 
 /// `host:port` of a URI, with the scheme's default port filled in.
 pub fn authority_of(uri: &Uri) -> String {
-    authority_text(uri.authority(), uri.scheme() == Some(&Scheme::HTTPS))
-}
-
-/// `host:port` of `authority`, with the default port of https or http filled in.
-fn authority_text(authority: Option<&Authority>, https: bool) -> String {
+    let authority = uri.authority();
     let host = authority.map_or("", Authority::host);
-    let port = authority
-        .and_then(Authority::port_u16)
-        .unwrap_or(if https { 443 } else { 80 });
+    let port = authority.and_then(Authority::port_u16).unwrap_or(
+        if uri.scheme() == Some(&Scheme::HTTPS) {
+            443
+        } else {
+            80
+        },
+    );
     format!("{host}:{port}")
 }
 
@@ -280,27 +265,17 @@ impl Upstream {
     /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
     /// upstream's response head with its body still streaming; the body holds `held`
     /// (the request's concurrency permit) until it ends.
-    ///
-    /// The head is prepared here and the response finished by a closure, rather than in
-    /// an `async fn`: the future is boxed and moved for every request, and an `async fn`
-    /// keeps its arguments besides what it moves them into, so the request's 240 bytes
-    /// were held twice at each level. Kept under glibc's small-allocation limit (1 KiB),
-    /// the box is much cheaper to allocate.
     pub fn send<H: Send + Sync + 'static>(
         &self,
         mut req: Request<Body>,
         held: H,
     ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + Send + 'static {
-        // Kept for error messages only, which format them then: the authority and the
-        // scheme, not the whole URI (88 bytes more in a future boxed per request).
-        // Cloning an authority copies no bytes.
-        let authority = req.uri().authority().cloned();
-        let https = req.uri().scheme() == Some(&Scheme::HTTPS);
+        let authority = authority_of(req.uri());
         let client_version = req.version();
         strip_hop_by_hop(req.headers_mut());
         add_via(req.headers_mut(), client_version);
-        if let Some(authority) = &authority {
-            set_host(req.headers_mut(), authority);
+        if let Some(upstream) = req.uri().authority().cloned() {
+            set_host(req.headers_mut(), &upstream);
         }
         // The client side may have spoken h2 to us; the upstream side is chosen by ALPN.
         *req.version_mut() = Version::HTTP_11;
@@ -309,12 +284,10 @@ impl Upstream {
         tokio::time::timeout(after, self.pool.send(req, held)).map(move |outcome| {
             let response = outcome
                 .map_err(|_| ProxyError::ResponseTimeout {
-                    authority: authority_text(authority.as_ref(), https),
+                    authority: authority.clone(),
                     after,
                 })?
-                .map_err(|e| {
-                    upstream_error(e.as_ref(), authority_text(authority.as_ref(), https))
-                })?;
+                .map_err(|e| upstream_error(e.as_ref(), authority))?;
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
             add_via(&mut parts.headers, parts.version);
@@ -365,7 +338,6 @@ fn upstream_error(err: &(dyn std::error::Error + 'static), authority: String) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::PROXY_NAME;
 
     #[test]
     fn strips_fixed_and_named_hop_by_hop_headers() {
