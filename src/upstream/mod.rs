@@ -274,9 +274,6 @@ impl Upstream {
         let client_version = req.version();
         strip_hop_by_hop(req.headers_mut());
         add_via(req.headers_mut(), client_version);
-        if let Some(upstream) = req.uri().authority().cloned() {
-            set_host(req.headers_mut(), &upstream);
-        }
         // The client side may have spoken h2 to us; the upstream side is chosen by ALPN.
         *req.version_mut() = Version::HTTP_11;
 

@@ -8,8 +8,11 @@
 //! is sent again on a new one.
 //!
 //! The pool is ours rather than hyper-util's pooled client so that each request is
-//! shaped for the connection it goes out on (the origin form over HTTP/1.1, the
-//! absolute form over HTTP/2), whose protocol is known only once ALPN has picked it.
+//! shaped for the connection it goes out on, whose protocol is known only once ALPN
+//! has picked it: over HTTP/1.1 the path in the request line and the upstream in
+//! `Host`; over HTTP/2 the absolute URI, the upstream in `:authority` alone. HTTP/2
+//! clients should not send `Host` (RFC 9113 §8.3.1), and some servers (nginx 1.22)
+//! answer 400 to a request that carries both.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -20,6 +23,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::header;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, Uri};
 use http_body::Frame;
@@ -30,7 +34,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::Instant;
 use tower::Service;
 
-use super::Connector;
+use super::{set_host, Connector};
 use crate::body::{self, Body, BoxError, Holding};
 use crate::error::ProxyError;
 
@@ -138,7 +142,7 @@ impl Pool {
         let pool = self.inner.clone();
         async move {
             // Each attempt sets the form its connection needs from the key and the
-            // request's path, so a request tried again may go out in the other form.
+            // request's path: a request tried again may go out on the other protocol.
             let key = Key::of(req.uri())
                 .ok_or_else(|| ProxyError::BadRequest(format!("no host in {}", req.uri())))?;
             loop {
@@ -151,8 +155,8 @@ impl Pool {
                 };
                 let mut sent = match conn {
                     Conn::Http1(mut sender) => {
-                        // HTTP/1.1 names the path only; the authority is in `Host`.
                         *req.uri_mut() = origin_form(req.uri());
+                        set_host(req.headers_mut(), &key.authority);
                         match sender.try_send_request(req).await {
                             Ok(response) => {
                                 return Ok(returning(response, sender, &pool, &key, held))
@@ -161,11 +165,8 @@ impl Pool {
                         }
                     }
                     Conn::Http2(mut sender) => {
-                        // HTTP/2 sends the absolute form: the request's own, unless an
-                        // HTTP/1.1 attempt before this one cut it to its path.
-                        if req.uri().scheme().is_none() {
-                            *req.uri_mut() = key.uri_with(origin_form(req.uri()));
-                        }
+                        *req.uri_mut() = key.uri_with(origin_form(req.uri()));
+                        req.headers_mut().remove(header::HOST);
                         match sender.try_send_request(req).await {
                             Ok(response) => {
                                 return Ok(response.map(|b| body::boxed(Holding::new(b, held))))
