@@ -24,11 +24,8 @@ use tokio::net::TcpStream;
 use tower::Service;
 
 use crate::body::{Body, BoxError};
-use crate::coalesce::Coalesced;
-use crate::coarse_timer::{self, CoarseTimer};
 use crate::config::ProxyConfig;
-use crate::error::ProxyError;
-use crate::when_woken::ReadsWhenWoken;
+use crate::error::{ProxyError, PROXY_NAME};
 use pool::Pool;
 
 mod pool;
@@ -46,90 +43,48 @@ const HOP_BY_HOP: [HeaderName; 7] = [
 
 /// Removes hop-by-hop headers: the fixed list and every header `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Which of the fixed list are present, found in one pass over the names the message
-    // has (a handful): a removal per listed name, hashed each time, cost more than all
-    // the rest here (callgrind), and most messages carry none of them or `Connection`
-    // alone.
-    let mut present = 0u8;
-    for name in headers.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name) {
-            present |= 1 << i;
-        }
-    }
-    if present == 0 {
-        return;
-    }
-    // Nearly every upstream says `Connection: keep-alive`, which names only a header the
-    // fixed list removes anyway: skip collecting the names then (an allocation and a
-    // header-name parse per response in the profile).
-    let only_keep_alive = headers
+    let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .all(|v| v.as_bytes().eq_ignore_ascii_case(b"keep-alive"));
-    if !only_keep_alive {
-        let named: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-            .collect();
-        for name in named {
-            headers.remove(name);
-        }
-    }
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) != 0 {
-            headers.remove(name);
-        }
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(&HOP_BY_HOP) {
+        headers.remove(name);
     }
 }
 
 /// Appends tollgate to `Via` (RFC 9110 §7.6.3), keeping what earlier proxies wrote.
 pub fn add_via(headers: &mut HeaderMap, version: Version) {
-    // Constants rather than `format!`: this runs twice per request, and a formatted
-    // value would be an allocation each time. A test checks they name `PROXY_NAME`.
-    let hop = match version {
-        Version::HTTP_10 => VIA_10,
-        Version::HTTP_2 => VIA_2,
-        Version::HTTP_3 => VIA_3,
-        _ => VIA_11,
+    let protocol = match version {
+        Version::HTTP_10 => "1.0",
+        Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
+        _ => "1.1",
     };
+    let hop = HeaderValue::from_str(&format!("{protocol} {PROXY_NAME}"))
+        .expect("a protocol version and a name are a valid header");
     headers.append(header::VIA, hop);
 }
 
-const VIA_10: HeaderValue = HeaderValue::from_static("1.0 tollgate");
-const VIA_11: HeaderValue = HeaderValue::from_static("1.1 tollgate");
-const VIA_2: HeaderValue = HeaderValue::from_static("2 tollgate");
-const VIA_3: HeaderValue = HeaderValue::from_static("3 tollgate");
-
-/// Makes `Host` name `authority`, the upstream the request goes to.
+/// Makes `Host` name `authority`, the upstream the request goes to, and nothing else.
 pub fn set_host(headers: &mut HeaderMap, authority: &Authority) {
-    // Forward-proxy clients already send this very Host: only rewrite when it differs
-    // (a route, or a client that disagrees with its own URI), which saves a copy.
-    let mut hosts = headers.get_all(header::HOST).iter();
-    let same = hosts
-        .next()
-        .is_some_and(|h| h.as_bytes() == authority.as_str().as_bytes())
-        && hosts.next().is_none();
-    if !same {
-        let host =
-            HeaderValue::from_str(authority.as_str()).expect("an authority is a valid header");
-        headers.insert(header::HOST, host);
-    }
+    let host = HeaderValue::from_str(authority.as_str()).expect("an authority is a valid header");
+    headers.insert(header::HOST, host);
 }
 
 /// `host:port` of a URI, with the scheme's default port filled in.
 pub fn authority_of(uri: &Uri) -> String {
-    authority_text(uri.authority(), uri.scheme() == Some(&Scheme::HTTPS))
-}
-
-/// `host:port` of `authority`, with the default port of https or http filled in.
-fn authority_text(authority: Option<&Authority>, https: bool) -> String {
+    let authority = uri.authority();
     let host = authority.map_or("", Authority::host);
-    let port = authority
-        .and_then(Authority::port_u16)
-        .unwrap_or(if https { 443 } else { 80 });
+    let port = authority.and_then(Authority::port_u16).unwrap_or(
+        if uri.scheme() == Some(&Scheme::HTTPS) {
+            443
+        } else {
+            80
+        },
+    );
     format!("{host}:{port}")
 }
 
@@ -195,7 +150,7 @@ impl Dialer {
 
 /// The connector is a `Service<Uri>` (the shape hyper-rustls wraps), called by the pool.
 impl Service<Uri> for Dialer {
-    type Response = TokioIo<Coalesced<TcpStream>>;
+    type Response = TokioIo<TcpStream>;
     type Error = ProxyError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ProxyError>> + Send>>;
 
@@ -211,7 +166,7 @@ impl Service<Uri> for Dialer {
                 _ => 80,
             });
             let stream = dialer.dial(uri.host().unwrap_or(""), port).await?;
-            Ok(TokioIo::new(Coalesced::new(stream)))
+            Ok(TokioIo::new(stream))
         })
     }
 }
@@ -224,11 +179,8 @@ struct Connector {
     timeout: Duration,
 }
 
-/// An upstream connection's stream: TCP, or TLS over it, with small writes coalesced
-/// under either and, over TLS, reads attempted only when woken (see
-/// [`crate::when_woken`]: an attempt that finds nothing costs a trip through rustls).
-pub(crate) type UpstreamIo =
-    ReadsWhenWoken<hyper_rustls::MaybeHttpsStream<TokioIo<Coalesced<TcpStream>>>>;
+/// An upstream connection's stream: TCP, or TLS over it.
+pub(crate) type UpstreamIo = hyper_rustls::MaybeHttpsStream<TokioIo<TcpStream>>;
 
 impl Service<Uri> for Connector {
     type Response = UpstreamIo;
@@ -245,10 +197,7 @@ impl Service<Uri> for Connector {
         let connecting = self.tls.call(uri);
         Box::pin(async move {
             match tokio::time::timeout(timeout, connecting).await {
-                Ok(result) => result.map(|io| {
-                    let tls = matches!(io, hyper_rustls::MaybeHttpsStream::Https(_));
-                    ReadsWhenWoken::new(io, tls)
-                }),
+                Ok(result) => result,
                 Err(_) => Err(ProxyError::ConnectTimeout {
                     authority,
                     after: timeout,
@@ -293,8 +242,6 @@ pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String
 pub struct Upstream {
     pool: Pool,
     response_timeout: Duration,
-    /// Bounds each request by `response_timeout`; this thread's own (see [`CoarseTimer`]).
-    timer: CoarseTimer,
 }
 
 impl Upstream {
@@ -312,56 +259,38 @@ impl Upstream {
         Ok(Upstream {
             pool: Pool::new(connector, config.upstream_idle_timeout.0),
             response_timeout: config.response_timeout.0,
-            timer: CoarseTimer::new(coarse_timer::tick(config.response_timeout.0)),
         })
     }
 
     /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
     /// upstream's response head with its body still streaming; the body holds `held`
     /// (the request's concurrency permit) until it ends.
-    ///
-    /// The head is prepared here and the response finished by a closure, rather than in
-    /// an `async fn`: the future is boxed and moved for every request, and an `async fn`
-    /// keeps its arguments besides what it moves them into, so the request's 240 bytes
-    /// were held twice at each level. Kept under glibc's small-allocation limit (1 KiB),
-    /// the box is much cheaper to allocate.
     pub fn send<H: Send + Sync + 'static>(
         &self,
         mut req: Request<Body>,
         held: H,
     ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + Send + 'static {
-        // Kept for error messages only, which format them then: the authority and the
-        // scheme, not the whole URI (88 bytes more in a future boxed per request).
-        // Cloning an authority copies no bytes.
-        let authority = req.uri().authority().cloned();
-        let https = req.uri().scheme() == Some(&Scheme::HTTPS);
+        let authority = authority_of(req.uri());
         let client_version = req.version();
         strip_hop_by_hop(req.headers_mut());
         add_via(req.headers_mut(), client_version);
-        if let Some(authority) = &authority {
-            set_host(req.headers_mut(), authority);
-        }
         // The client side may have spoken h2 to us; the upstream side is chosen by ALPN.
         *req.version_mut() = Version::HTTP_11;
 
         let after = self.response_timeout;
-        self.timer
-            .timeout(after, self.pool.send(req, held))
-            .map(move |outcome| {
-                let response = outcome
-                    .map_err(|_| ProxyError::ResponseTimeout {
-                        authority: authority_text(authority.as_ref(), https),
-                        after,
-                    })?
-                    .map_err(|e| {
-                        upstream_error(e.as_ref(), authority_text(authority.as_ref(), https))
-                    })?;
-                let (mut parts, body) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                add_via(&mut parts.headers, parts.version);
-                parts.version = Version::HTTP_11;
-                Ok(Response::from_parts(parts, body))
-            })
+        tokio::time::timeout(after, self.pool.send(req, held)).map(move |outcome| {
+            let response = outcome
+                .map_err(|_| ProxyError::ResponseTimeout {
+                    authority: authority.clone(),
+                    after,
+                })?
+                .map_err(|e| upstream_error(e.as_ref(), authority))?;
+            let (mut parts, body) = response.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            add_via(&mut parts.headers, parts.version);
+            parts.version = Version::HTTP_11;
+            Ok(Response::from_parts(parts, body))
+        })
     }
 }
 
@@ -406,7 +335,6 @@ fn upstream_error(err: &(dyn std::error::Error + 'static), authority: String) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::PROXY_NAME;
 
     #[test]
     fn strips_fixed_and_named_hop_by_hop_headers() {
@@ -416,6 +344,17 @@ mod tests {
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
         h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("yes"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+
+        // Every `Connection` line counts, and a name it lists need not be present.
+        let mut h = HeaderMap::new();
+        h.append("connection", HeaderValue::from_static("keep-alive"));
+        h.append("connection", HeaderValue::from_static(" x-a ,x-absent"));
+        h.insert("x-a", HeaderValue::from_static("1"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
         h.insert("x-kept", HeaderValue::from_static("yes"));
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
