@@ -30,8 +30,6 @@
 pub mod admin;
 pub mod body;
 pub mod classify;
-pub mod coalesce;
-pub mod coarse_timer;
 pub mod config;
 pub mod descriptors;
 pub mod error;
@@ -44,4 +42,3 @@ pub mod retry_after;
 pub mod server;
 pub mod tunnel;
 pub mod upstream;
-pub mod when_woken;
