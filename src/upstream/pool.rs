@@ -155,6 +155,7 @@ impl Pool {
                 };
                 let mut sent = match conn {
                     Conn::Http1(mut sender) => {
+                        // The path in the request line, the upstream in `Host`.
                         *req.uri_mut() = origin_form(req.uri());
                         set_host(req.headers_mut(), &key.authority);
                         match sender.try_send_request(req).await {
@@ -165,6 +166,7 @@ impl Pool {
                         }
                     }
                     Conn::Http2(mut sender) => {
+                        // The absolute URI, the upstream in `:authority` alone.
                         *req.uri_mut() = key.uri_with(origin_form(req.uri()));
                         req.headers_mut().remove(header::HOST);
                         match sender.try_send_request(req).await {
