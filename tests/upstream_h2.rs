@@ -15,31 +15,6 @@ use std::time::{Duration, Instant};
 
 use support::*;
 
-/// The CA certificate, the server certificate (for `localhost` and `127.0.0.1`) and its
-/// key, as PEM files in `dir`; returns the CA's path.
-fn write_certificates(dir: &Path) -> PathBuf {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().expect("CA key");
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.distinguished_name
-        .push(DnType::CommonName, "tollgate nginx test CA");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = ca.self_signed(&ca_key).expect("CA certificate");
-
-    let key = KeyPair::generate().expect("server key");
-    let mut leaf =
-        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-    leaf.distinguished_name
-        .push(DnType::CommonName, "localhost");
-    let cert = leaf
-        .signed_by(&key, &ca_cert, &ca_key)
-        .expect("server certificate");
-
-    write_file(dir, "cert.pem", &cert.pem());
-    write_file(dir, "key.pem", &key.serialize_pem());
-    write_file(dir, "ca.pem", &ca_cert.pem())
-}
-
 /// The nginx binary: on `PATH`, or where Debian puts it (root's `PATH` has it, other
 /// users' may not).
 fn nginx_binary() -> PathBuf {
@@ -73,7 +48,8 @@ struct Nginx {
     child: Child,
     h2: u16,
     http1: u16,
-    ca: PathBuf,
+    /// The CA nginx's certificate is signed by; tollgate trusts it (`ca_file`).
+    ca: TestCa,
     dir: tempfile::TempDir,
 }
 
@@ -84,7 +60,8 @@ impl Nginx {
         // before nginx binds it, in which case nginx exits and is started again.
         for _ in 0..5 {
             let dir = tempfile::tempdir().expect("tempdir");
-            let ca = write_certificates(dir.path());
+            let ca = TestCa::new();
+            ca.write_server_pem(dir.path());
             let (h2, http1) = free_ports();
             let config = nginx_config(dir.path(), h2, http1);
             let config = write_file(dir.path(), "nginx.conf", &config);
@@ -197,7 +174,7 @@ async fn routes_to(nginx: &Nginx) -> Proxy {
         "[proxy]\nca_file = {:?}\n\
          [[route]]\nprefix = \"/h2/\"\nupstream = \"https://127.0.0.1:{}\"\n\
          [[route]]\nprefix = \"/h1/\"\nupstream = \"https://127.0.0.1:{}\"\n",
-        nginx.ca.to_str().unwrap(),
+        nginx.ca.ca_pem_path().to_str().unwrap(),
         nginx.h2,
         nginx.http1,
     ))

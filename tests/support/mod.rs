@@ -764,6 +764,9 @@ pub struct TestCa {
     ca_pem: String,
     cert: CertificateDer<'static>,
     key: Vec<u8>,
+    /// The server certificate and key as PEM, for servers that read files (nginx).
+    cert_pem: String,
+    key_pem: String,
     dir: tempfile::TempDir,
 }
 
@@ -807,8 +810,16 @@ impl TestCa {
             ca_pem,
             cert: cert.der().clone(),
             key: key.serialize_der(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
             dir,
         }
+    }
+
+    /// Writes the server certificate and its key as `cert.pem` and `key.pem` in `dir`.
+    pub fn write_server_pem(&self, dir: &std::path::Path) {
+        std::fs::write(dir.join("cert.pem"), &self.cert_pem).expect("write cert.pem");
+        std::fs::write(dir.join("key.pem"), &self.key_pem).expect("write key.pem");
     }
 
     /// The CA certificate as PEM.
