@@ -21,7 +21,8 @@
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
-//! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener), and
+//! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener),
+//! [`precise_sleep`] (the queue's head waits for its slot on a kernel timer), and
 //! [`descriptors`] (the open-file limit, raised before the runtime starts).
 
 #![forbid(unsafe_code)]
@@ -35,6 +36,7 @@ pub mod descriptors;
 pub mod error;
 pub mod limit;
 pub mod metrics;
+pub mod precise_sleep;
 pub mod proxy;
 pub mod pushback;
 pub mod ratelimit_headers;

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tollgate::config::Config;
+use tollgate::server::Sockets;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;
@@ -26,7 +27,8 @@ struct Cli {
     /// Log format; the level comes from RUST_LOG (default "info").
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
-    /// Threads of the runtime that serves connections (default: one per core).
+    /// Threads that serve connections, each with its own listening socket (default: one
+    /// per core).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS")]
     worker_threads: Option<usize>,
     #[command(subcommand)]
@@ -70,18 +72,21 @@ fn main() -> ExitCode {
     for e in &descriptors.errors {
         tracing::warn!(error = %e, "cannot raise the open-file limit or grow the descriptor table");
     }
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = cli.worker_threads.filter(|n| *n > 0) {
-        runtime.worker_threads(threads);
-    }
-    let runtime = runtime
+    let threads = cli
+        .worker_threads
+        .filter(|n| *n > 0)
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1);
+    // This thread serves too; `server::run` starts the others, each with a runtime of
+    // its own (see there for why).
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("the tokio runtime starts");
-    runtime.block_on(run(cli, descriptors.limit))
+    runtime.block_on(run(cli, threads, descriptors.limit))
 }
 
-async fn run(cli: Cli, open_file_limit: Option<u64>) -> ExitCode {
+async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode {
     let path = match &cli.command {
         Some(Command::CheckConfig { file }) => file,
         None => &cli.config,
@@ -108,8 +113,8 @@ async fn run(cli: Cli, open_file_limit: Option<u64>) -> ExitCode {
     }
     warn_if_queues_outgrow(&config, open_file_limit);
     let listen = config.proxy.listen;
-    let listener = match TcpListener::bind(listen).await {
-        Ok(listener) => listener,
+    let sockets = match Sockets::listen(listen, threads) {
+        Ok(sockets) => sockets,
         Err(e) => {
             eprintln!("tollgate: cannot listen on {listen}: {e}");
             return ExitCode::FAILURE;
@@ -128,8 +133,8 @@ async fn run(cli: Cli, open_file_limit: Option<u64>) -> ExitCode {
             }
         },
     };
-    tracing::info!(%listen, "tollgate listening");
-    match tollgate::server::run(listener, admin, config, shutdown_signal()).await {
+    tracing::info!(%listen, threads, "tollgate listening");
+    match tollgate::server::run(sockets, admin, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: {e}");

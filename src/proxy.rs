@@ -3,27 +3,32 @@
 //! ```text
 //! Proxy::handle
 //!   1. classify      where it goes (forward, route, tunnel) and whose budget it spends
-//!   2. CONNECT       wait in the group, then open the tunnel (permit held while open)
-//!   3. read          the body into memory when small, so the request can be replayed
-//!   4. attempts      wait in the group → send upstream → judge the answer:
+//!   2. tunnel        CONNECT: wait in the group, then open it (permit held while open)
+//!   3. forward       read the body into memory when small, so it can be replayed;
+//!   4.               wait in the group → send upstream → judge the answer:
 //!                    done, or paused and sent again at the head of the queue
 //! ```
 //!
 //! Every step returns a [`ProxyError`] on failure, and [`Proxy::handle`], the only
 //! caller, turns it into the client's response: the request path never fails.
+//!
+//! The waiting, sending and tunnelling futures are boxed: hyper keeps each request's
+//! future inside its connection for as long as the request waits, so this one stays
+//! small, and a waiting request holds only the state of its wait.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
-use http::{Method, Request, Response};
+use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
-use crate::classify::Classifier;
+use crate::classify::{Classifier, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
 use crate::limit::{Group, Limits, Permit, Redis, Store};
@@ -86,46 +91,82 @@ impl Proxy {
 
     /// Serves one request from a client connected to `local`. Never fails: an error is
     /// answered with its own response.
-    pub async fn handle(&self, req: Request<Incoming>, local: SocketAddr) -> Response<Body> {
+    ///
+    /// The request is classified before the future is built, and kept in a box: hyper
+    /// holds this future in the client's connection for as long as the request waits,
+    /// and an `async fn` would keep its arguments there besides what they become.
+    pub fn handle(
+        &self,
+        req: Request<Incoming>,
+        local: SocketAddr,
+    ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
-        match self.serve(req.map(body::boxed), local, arrived).await {
-            Ok(response) => response,
-            Err(e) => {
+        let classified = self.classify(req.map(body::boxed), local).map(Box::new);
+        async move {
+            let answered = match classified {
+                Ok(to) if to.target.kind == Kind::Tunnel => self.tunnel(to, arrived).await,
+                Ok(to) => self.forward(to, arrived).await,
+                Err(e) => Err(e),
+            };
+            answered.unwrap_or_else(|e| {
                 tracing::debug!(error = %e, "request failed");
                 e.into_response()
-            }
+            })
         }
     }
 
-    async fn serve(
+    /// 1. Where a request goes, and whose budget it spends.
+    fn classify(
         &self,
         mut req: Request<Body>,
         local: SocketAddr,
-        arrived: Instant,
-    ) -> Result<Response<Body>, ProxyError> {
-        // 1. Where it goes, and whose budget it spends.
+    ) -> Result<Classified, ProxyError> {
         let target = self.classifier.classify(&mut req, local)?;
         let group = self.limits.group_for(&target.host, target.limit.as_deref());
         let cost = group.settings.cost_of(req.method(), req.uri().path());
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
+        Ok(Classified {
+            request: Replayable::new(req),
+            target,
+            group,
+            cost,
+        })
+    }
 
-        // 2. A tunnel has no HTTP answer to judge: one wait, then it opens.
-        if req.method() == Method::CONNECT {
-            let permit = admit(&group, cost, arrived, false).await?;
-            let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
-            return tunnel::open(dialer, tunnels, cut, &target, req, permit).await;
-        }
+    /// 2. A tunnel has no HTTP answer to judge: one wait, then it opens.
+    async fn tunnel(
+        &self,
+        mut to: Box<Classified>,
+        arrived: Instant,
+    ) -> Result<Response<Body>, ProxyError> {
+        let permit = admit(&to.group, to.cost, arrived, false).await?;
+        let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
+        let req = to.request.attempt(0);
+        let open = Box::pin(tunnel::open(dialer, tunnels, cut, &to.target, req, permit));
+        open.await
+    }
 
-        // 3. The body, read before the wait.
-        let mut request = Replayable::read(req, group.settings.max_replay_body).await?;
-
-        // 4. Wait, send, judge; again while the upstream pushes back and time is left.
+    /// Steps 3 and 4: the body, read before the wait; then wait, send, judge, and
+    /// again while the upstream pushes back and time is left.
+    async fn forward(
+        &self,
+        mut to: Box<Classified>,
+        arrived: Instant,
+    ) -> Result<Response<Body>, ProxyError> {
+        let Classified {
+            request,
+            group,
+            cost,
+            ..
+        } = &mut *to;
+        request.read_body(group.settings.max_replay_body).await?;
         let mut attempt = 0;
         loop {
-            let permit = admit(&group, cost, arrived, attempt > 0).await?;
-            let response = self.upstream.send(request.attempt(attempt), permit).await?;
+            let permit = admit(group, *cost, arrived, attempt > 0).await?;
+            let send = Box::pin(self.upstream.send(request.attempt(attempt), permit));
+            let response = send.await?;
             let replay = request.can_replay();
-            match pushback::after_answer(&group, arrived, replay, attempt, response) {
+            match pushback::after_answer(group, arrived, replay, attempt, response) {
                 ControlFlow::Break(response) => return Ok(response),
                 ControlFlow::Continue(()) => attempt += 1,
             }
@@ -160,6 +201,14 @@ impl Proxy {
     }
 }
 
+/// A request, classified.
+struct Classified {
+    request: Replayable,
+    target: Target,
+    group: Arc<Group>,
+    cost: u32,
+}
+
 /// Waits in `group` for a request of `cost` (`retry`: at the head of the queue).
 async fn admit(
     group: &Arc<Group>,
@@ -167,8 +216,7 @@ async fn admit(
     arrived: Instant,
     retry: bool,
 ) -> Result<Permit, ProxyError> {
-    group
-        .admit(cost, arrived, retry)
-        .await
+    let wait = Box::pin(group.admit(cost, arrived, retry));
+    wait.await
         .map_err(|refusal| ProxyError::refused(group, refusal))
 }

@@ -85,8 +85,10 @@ pub fn judge(
 
 /// A request that may have to be sent more than once.
 pub enum Replayable {
+    /// Its body is still to be read ([`Replayable::read_body`]).
+    Unread(Option<Request<Body>>),
     /// The body is in memory: the request can be rebuilt for every attempt. The head is
-    /// a copy of its own (see [`Replayable::read`]); the extensions go with the first
+    /// a copy of its own (see [`Replayable::new`]); the extensions go with the first
     /// attempt.
     Buffered {
         /// The request head.
@@ -99,26 +101,47 @@ pub enum Replayable {
 }
 
 impl Replayable {
-    /// Reads the body of `req` if it is at most `limit` bytes.
+    /// `req`, ready to be sent when it has no body (nearly every request), else to have
+    /// its body read ([`Replayable::read_body`]).
     ///
-    /// Reading it before queueing also lets hyper notice a client that leaves while its
-    /// request waits (it only looks once the request body has been read), so the
-    /// request is never sent. The head and body kept for the attempts are copies:
-    /// hyper parses a request in place, its URI, header values and a small body being
-    /// slices of the connection's read buffer, which a waiting request would otherwise
-    /// keep allocated (a few KiB per waiting request on a kept-alive connection).
-    pub async fn read(req: Request<Body>, limit: u64) -> Result<Replayable, ProxyError> {
-        let (parts, body) = req.into_parts();
-        let read = body::read_up_to(body, limit)
+    /// The head and body kept for the attempts are copies: hyper parses a request in
+    /// place, its URI, header values and a small body being slices of the connection's
+    /// read buffer, which a waiting request would otherwise keep allocated, so that
+    /// hyper needs a second one to notice the client leave (a few KiB per waiting
+    /// request on a kept-alive connection).
+    pub fn new(req: Request<Body>) -> Replayable {
+        if !http_body::Body::is_end_stream(req.body()) {
+            return Replayable::Unread(Some(req));
+        }
+        let (parts, _) = req.into_parts();
+        Replayable::Buffered {
+            parts: owned_head(parts),
+            body: Bytes::new(),
+        }
+    }
+
+    /// Reads the body into memory if it is at most `limit` bytes; a bigger one will
+    /// stream through once. Reading it before the wait also lets hyper notice a client
+    /// that leaves while its request waits (it only looks once the request body has
+    /// been read), so the request is never sent.
+    pub async fn read_body(&mut self, limit: u64) -> Result<(), ProxyError> {
+        let Replayable::Unread(req) = self else {
+            return Ok(());
+        };
+        let (parts, body) = req.take().expect("read once").into_parts();
+        // Boxed: few requests have a body, and this state would size every one's future.
+        let read = Box::pin(body::read_up_to(body, limit));
+        let read = read
             .await
             .map_err(|e| ProxyError::BadRequest(format!("reading the request body failed: {e}")))?;
-        Ok(match read {
+        *self = match read {
             Buffered::Complete(bytes) => Replayable::Buffered {
                 parts: owned_head(parts),
                 body: Bytes::copy_from_slice(&bytes),
             },
             Buffered::Streaming(body) => Replayable::Once(Some(Request::from_parts(parts, body))),
-        })
+        };
+        Ok(())
     }
 
     /// Whether the request can be sent again.
@@ -145,7 +168,9 @@ impl Replayable {
                 }
                 req
             }
-            Replayable::Once(req) => req.take().expect("a streamed request is sent once"),
+            Replayable::Once(req) | Replayable::Unread(req) => {
+                req.take().expect("a streamed request is sent once")
+            }
         }
     }
 }

@@ -1,6 +1,8 @@
 //! The listener: accepts client connections and serves them with hyper until shutdown.
 //!
-//! Each connection is a task on the runtime. It speaks HTTP/1.1 with keep-alive (and
+//! One thread per core, each with a single-threaded runtime and a listening socket of
+//! its own on the proxy's address ([`run`] says why). Each connection is a task on the
+//! thread that accepted it. It speaks HTTP/1.1 with keep-alive (and
 //! upgrades, so CONNECT can take it over), or HTTP/2 when the client opens with its
 //! preface (prior knowledge). Every request is [`Proxy::handle`]'s, whatever its
 //! version or its place on the connection.
@@ -21,7 +23,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -34,20 +36,84 @@ use crate::tunnel::KeepWhileOpen;
 /// How often an HTTP/2 client is pinged to tell a live idle connection from a dead one.
 const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
 
-/// Builds the proxy from `config` and serves `listener` (and the admin endpoints on
+/// The proxy's listening sockets: one per serving thread, all on one address
+/// (`SO_REUSEPORT`: the kernel spreads new connections over them).
+pub struct Sockets {
+    /// Served by the thread that calls [`run`].
+    first: TcpListener,
+    /// One per further thread; registered with that thread's runtime once it runs.
+    others: Vec<std::net::TcpListener>,
+}
+
+impl Sockets {
+    /// Listens on `addr` with `threads` sockets (at least one). Call it inside the
+    /// runtime that will call [`run`]. All sockets listen when this returns, so
+    /// connections that arrive before the threads run wait in their socket's queue.
+    pub fn listen(addr: SocketAddr, threads: usize) -> std::io::Result<Sockets> {
+        let shared = threads > 1;
+        let first = bind(addr, shared)?;
+        // With port 0 the first socket chose the port; the others take the same.
+        let addr = first.local_addr()?;
+        let others = (1..threads)
+            .map(|_| bind(addr, shared)?.into_std())
+            .collect::<std::io::Result<_>>()?;
+        Ok(Sockets { first, others })
+    }
+
+    /// The address they listen on.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.first.local_addr()
+    }
+}
+
+/// One socket, served by the calling thread alone.
+impl From<TcpListener> for Sockets {
+    fn from(first: TcpListener) -> Sockets {
+        Sockets {
+            first,
+            others: Vec::new(),
+        }
+    }
+}
+
+/// Binds one listening socket, shareable with `reuse_port`.
+fn bind(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    // As `TcpListener::bind` does: a restart need not wait for old connections' TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Builds the proxy from `config` and serves `sockets` (and the admin endpoints on
 /// `admin`, when given) until `shutdown` completes, then drains for up to
 /// `proxy.shutdown_grace`. The caller binds the listeners, so tests pass ones bound to
 /// port 0.
+///
+/// The calling thread serves the first socket; each further socket gets a thread with
+/// a single-threaded runtime of its own. A connection is served from accept to
+/// response by one thread, and so is the upstream connection its request uses (the
+/// pool keeps connections per thread): nothing of one exchange wakes another thread.
+/// On one multi-threaded runtime, work stealing moved the halves of an exchange across
+/// threads and cost ≈ 30 % more CPU per forwarded request (BENCHMARKS.md). Groups,
+/// metrics and the Redis store are shared, so every limit holds across threads.
 pub async fn run(
-    listener: TcpListener,
+    sockets: impl Into<Sockets>,
     admin: Option<TcpListener>,
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConfigError> {
+    let sockets = sockets.into();
     let proxy = Arc::new(Proxy::new(&config)?);
     proxy.start_background();
     let stop = CancellationToken::new();
-    // However this function ends, the admin listener stops with it.
+    // However this function ends, the threads it started and the admin listener stop.
     let _stop_at_exit = stop.clone().drop_guard();
     if let Some(admin) = admin {
         tokio::spawn(crate::admin::serve(
@@ -56,23 +122,105 @@ pub async fn run(
             stop.clone().cancelled_owned(),
         ));
     }
+    let settings = Arc::new(Settings::new(&config));
 
-    let header_timeout = config.proxy.client_header_timeout.0;
-    let mut http1 = http1::Builder::new();
-    http1
-        .timer(TokioTimer::new())
-        // Against slowloris; hyper also applies it while a keep-alive connection is idle.
-        .header_read_timeout(header_timeout);
-    let mut http2 = http2::Builder::new(TokioExecutor::new());
-    http2
-        .timer(TokioTimer::new())
-        .keep_alive_interval(H2_KEEP_ALIVE);
-    let protocols = Arc::new(Protocols {
-        http1,
-        http2,
-        header_timeout,
+    // Every thread keeps its runtime until all have drained: a task one runtime
+    // started (a tunnel, the Redis connection) may still serve another's requests.
+    let (release, released) = tokio::sync::watch::channel(false);
+    let mut others = Vec::new();
+    for (thread, socket) in (1..).zip(sockets.others) {
+        let (proxy, settings) = (proxy.clone(), settings.clone());
+        let stopped = stop.clone().cancelled_owned();
+        let mut released = released.clone();
+        let (drained, done) = tokio::sync::oneshot::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name(format!("tollgate-{thread}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the tokio runtime starts");
+                runtime.block_on(async move {
+                    match TcpListener::from_std(socket) {
+                        Ok(listener) => serve(listener, proxy, &settings, stopped).await,
+                        // Only if epoll refuses a socket; the other threads go on.
+                        Err(e) => tracing::error!(thread, error = %e, "cannot accept"),
+                    }
+                    drop(drained);
+                    let _ = released.wait_for(|r| *r).await;
+                });
+            })
+            .expect("a serving thread starts");
+        others.push((handle, done));
+    }
+    let shutdown = async {
+        shutdown.await;
+        // Every thread stops accepting at once, and drains on its own.
+        stop.cancel();
+    };
+    serve(sockets.first, proxy, &settings, shutdown).await;
+    stop.cancel();
+    for (_, done) in &mut others {
+        let _ = done.await;
+    }
+    let _ = release.send(true);
+    for (handle, _) in others {
+        let _ = handle.join();
+    }
+    Ok(())
+}
+
+/// What every serving thread needs to know, built once.
+struct Settings {
+    protocols: Arc<Protocols>,
+    grace: Duration,
+}
+
+impl Settings {
+    fn new(config: &Config) -> Settings {
+        let header_timeout = config.proxy.client_header_timeout.0;
+        let mut http1 = http1::Builder::new();
+        http1
+            // A response's head and small body go out in one `write`, which costs the
+            // kernel less than a `writev` of several buffers.
+            .writev(false)
+            .timer(TokioTimer::new())
+            // Against slowloris; hyper also applies it while a keep-alive connection is
+            // idle.
+            .header_read_timeout(header_timeout);
+        let mut http2 = http2::Builder::new(TokioExecutor::new());
+        http2
+            .timer(TokioTimer::new())
+            .keep_alive_interval(H2_KEEP_ALIVE);
+        Settings {
+            protocols: Arc::new(Protocols {
+                http1,
+                http2,
+                header_timeout,
+            }),
+            grace: config.proxy.shutdown_grace.0,
+        }
+    }
+}
+
+/// Serves one thread's socket until `shutdown` completes, then drains that thread's
+/// connections (and the open tunnels) for up to the grace.
+async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    settings: &Settings,
+    shutdown: impl Future<Output = ()>,
+) {
+    // tokio's time driver wakes itself with a system call whenever a timer is set to fire
+    // before its next wake-up. Every request sets two, tens of seconds out (the header
+    // and response timeouts), and with nothing else due each would count as earlier: a
+    // write to the reactor's eventfd per request, ≈ 0.7 per forwarded request measured.
+    // A tick every second keeps a wake-up near, so those timers never need one.
+    let tick = tokio::spawn(async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
     });
-
     // Every client connection is a task here; `drain` asks them to finish the request
     // in hand and close, and `cut` closes whatever is left after the grace.
     let connections = TaskTracker::new();
@@ -98,7 +246,7 @@ pub async fn run(
         };
         let client = Client {
             proxy: proxy.clone(),
-            protocols: protocols.clone(),
+            protocols: settings.protocols.clone(),
             local,
             remote,
         };
@@ -106,8 +254,10 @@ pub async fn run(
     }
     drop(listener);
 
-    let grace = config.proxy.shutdown_grace.0;
+    let grace = settings.grace;
+    let thread = std::thread::current();
     tracing::info!(
+        thread = thread.name().unwrap_or("main"),
         connections = connections.len(),
         grace = %humantime::format_duration(grace),
         "shutting down"
@@ -134,7 +284,7 @@ pub async fn run(
         })
         .await;
     }
-    Ok(())
+    tick.abort();
 }
 
 /// The two HTTP versions a client may speak, configured once.
@@ -168,7 +318,9 @@ impl Client {
             () = drain.cancelled() => return,
         };
         let ended = match h2 {
-            Ok(Ok(true)) => self.serve_http2(stream, &drain, &cut).await,
+            // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
+            // it would size every connection's task.
+            Ok(Ok(true)) => Box::pin(self.serve_http2(stream, &drain, &cut)).await,
             Ok(Ok(false)) => self.serve_http1(stream, &drain, &cut).await,
             Ok(Err(e)) => {
                 tracing::debug!(%remote, error = %e, "client connection failed");

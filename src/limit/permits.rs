@@ -60,7 +60,8 @@ impl Permits {
         };
         let mut poll = LEASE_POLL_MIN;
         loop {
-            match redis.try_lease(group, self.concurrency).await {
+            // Boxed, as the booking in `Store::book`.
+            match Box::pin(redis.try_lease(group, self.concurrency)).await {
                 Some(Some(lease)) => return Ok(Held::Lease(lease)),
                 // Every lease is taken, on some replica: look again shortly.
                 Some(None) => {

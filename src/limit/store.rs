@@ -58,7 +58,10 @@ impl Store {
     pub async fn book(&self, group: &Group, cost: u32, now: Instant) -> Result<Slot, Refusal> {
         if let Store::Redis(redis) = self {
             let rates = group.lock().rates.in_force().to_vec();
-            if let Some(booking) = redis.reserve(&group.name, &rates, cost).await {
+            // Boxed: the round trip's state is large, and inline it would size every
+            // waiting request's future, with the memory store too.
+            let booked = Box::pin(redis.reserve(&group.name, &rates, cost)).await;
+            if let Some(booking) = booked {
                 // Counted from when the answer came, not from `now`: the round trip
                 // is part of the wait.
                 let answered = Instant::now();
