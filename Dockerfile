@@ -1,7 +1,12 @@
 # syntax=docker/dockerfile:1
 # Build:  docker build -t tollgate .
-# Run:    docker run --rm -p 8080:8080 -v "$PWD/config.toml:/etc/tollgate/config.toml:ro" tollgate
-# In the container the proxy listens on 0.0.0.0:8080 (TOLLGATE_LISTEN) whatever the file says.
+# Run:    docker run --rm -p 127.0.0.1:8080:8080 \
+#           -v "$PWD/config.toml:/etc/tollgate/config.toml:ro" \
+#           -v "$PWD/users:/etc/tollgate/users:ro" tollgate
+# In the container the proxy listens on 0.0.0.0:8080 (TOLLGATE_LISTEN) whatever the file
+# says: set `[access] users = "/etc/tollgate/users"` in the mounted config (an htpasswd -B
+# file) before publishing the port beyond the host, and `[access] allow` for any
+# internal service the apps call.
 
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src

@@ -9,7 +9,10 @@
 //!   on a typical forward-proxy request, and on a typical upstream response;
 //! * `classify/forward` — classifying an absolute-form request;
 //! * `classify/route` — classifying an origin-form request to a `[[route]]`, its URI
-//!   rewritten to the upstream's (the gateway mode).
+//!   rewritten to the upstream's (the gateway mode);
+//! * `access/policy` — the destination policy's checks of a name and the address it
+//!   resolved to (once per new upstream connection);
+//! * `access/canonical_host` — a host brought to its canonical form (every request).
 //!
 //! `cargo bench --bench hotpath`; `cargo bench --bench hotpath -- --test` runs each once.
 
@@ -18,6 +21,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Version};
 use tokio::time::Instant;
+use tollgate::access::Policy;
 use tollgate::classify::Classifier;
 use tollgate::config::Config;
 use tollgate::limit::{Limits, Store};
@@ -38,7 +42,7 @@ fn limiter(c: &mut Criterion) {
     let limits = limits("rate = \"unlimited\"\nconcurrency = 100000");
     g.bench_function("unlimited_defaults", |b| {
         b.to_async(&runtime).iter(|| async {
-            let group = limits.group_for(black_box("127.0.0.1"), None);
+            let group = limits.group_for(black_box("127.0.0.1"), 80, None);
             let now = Instant::now();
             let permit = group.admit(1, now, false).await.unwrap();
             drop(black_box(permit));
@@ -124,5 +128,27 @@ fn classify(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, limiter, headers, classify);
+fn access(c: &mut Criterion) {
+    let config = Config::parse(
+        "[access]\nallow = [\"10.20.0.0/16\", \"internal.example\"]\ndeny = [\"*.evil.example\"]\n",
+        "bench",
+    )
+    .unwrap();
+    let policy = Policy::new(&config.access, vec!["127.0.0.1:8080".parse().unwrap()]);
+    let public: std::net::SocketAddr = "140.82.112.6:443".parse().unwrap();
+    // What the dialer asks for each new upstream connection: the name, then its address.
+    c.bench_function("access/policy", |b| {
+        b.iter(|| {
+            let host = black_box("api.github.com");
+            policy.check_host(host).unwrap();
+            policy.check_addr(host, black_box(public)).unwrap();
+        })
+    });
+    // What every request's host goes through before anything matches on it.
+    c.bench_function("access/canonical_host", |b| {
+        b.iter(|| black_box(tollgate::host::canonical(black_box("API.GitHub.com"))))
+    });
+}
+
+criterion_group!(benches, limiter, headers, classify, access);
 criterion_main!(benches);

@@ -213,7 +213,10 @@ fn bench_many_groups(c: &mut Criterion) {
         b.iter_batched(
             limits,
             |limits| {
-                let kept: Vec<_> = hosts.iter().map(|h| limits.group_for(h, None)).collect();
+                let kept: Vec<_> = hosts
+                    .iter()
+                    .map(|h| limits.group_for(h, 443, None))
+                    .collect();
                 (limits, kept)
             },
             BatchSize::PerIteration,
@@ -223,7 +226,10 @@ fn bench_many_groups(c: &mut Criterion) {
 
     let before = rss_kib();
     let limits = limits();
-    let kept: Vec<Arc<Group>> = hosts.iter().map(|h| limits.group_for(h, None)).collect();
+    let kept: Vec<Arc<Group>> = hosts
+        .iter()
+        .map(|h| limits.group_for(h, 443, None))
+        .collect();
     if let (Some(before), Some(after)) = (before, rss_kib()) {
         eprintln!(
             "note: {HOSTS} live host groups (with their metric series): +{} MiB RSS, ~{} bytes per group",
@@ -236,13 +242,13 @@ fn bench_many_groups(c: &mut Criterion) {
     let mut g = c.benchmark_group("group_for");
     g.throughput(Throughput::Elements(1));
     g.bench_function("listed_host", |b| {
-        b.iter(|| limits.group_for(black_box("api.example.com"), None))
+        b.iter(|| limits.group_for(black_box("api.example.com"), 443, None))
     });
     let mut next = 0;
     g.bench_function("existing_of_100k", |b| {
         b.iter(|| {
             next = (next + 1) % HOSTS;
-            limits.group_for(black_box(&hosts[next]), None)
+            limits.group_for(black_box(&hosts[next]), 443, None)
         })
     });
     g.finish();
@@ -261,7 +267,7 @@ fn bench_many_groups(c: &mut Criterion) {
     g.bench_function("group_for+admit", |b| {
         b.to_async(&rt).iter(|| {
             next = (next + 1) % HOSTS;
-            let grp = limits.group_for(&hosts[next], None);
+            let grp = limits.group_for(&hosts[next], 443, None);
             async move { admit_and_drop(&grp).await }
         })
     });

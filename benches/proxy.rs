@@ -38,7 +38,9 @@ async fn upstream() -> SocketAddr {
 /// tollgate with the default configuration on 127.0.0.1:0, running until the runtime
 /// is dropped.
 async fn tollgate() -> SocketAddr {
-    let config = tollgate::config::Config::parse("", "bench.toml").unwrap();
+    // The upstream is on loopback, which tollgate refuses unless allowed.
+    let config = "[access]\nallow = [\"127.0.0.0/8\"]\n";
+    let config = tollgate::config::Config::parse(config, "bench.toml").unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {

@@ -203,8 +203,14 @@ def wrk_rps(proxy_port, url, seconds, workdir, connections=16):
     return float(out.split("Requests/sec:")[1].split()[0])
 
 
+# The benchmarks' upstreams are on loopback, which tollgate refuses unless allowed.
+ALLOW_LOOPBACK = '\n[access]\nallow = ["127.0.0.0/8", "::1"]\n'
+
+
 def start_tollgate(children, config_text, workdir, listen_port, admin_port, log):
     config = Path(workdir) / "tollgate.toml"
+    if "[access]" not in config_text:
+        config_text += ALLOW_LOOPBACK
     config.write_text(config_text)
     proc = children.start(
         [str(BINARY), "--config", str(config), "--listen", f"127.0.0.1:{listen_port}"],

@@ -8,10 +8,10 @@
 # room for everyone (queue 1000000, max_wait 600 s), so that every request queues.
 tollgate_config() {
   if [ -n "${2:-}" ]; then
-    printf '[proxy]\nlisten = "127.0.0.1:%s"\n[[limit]]\nname = "bench"\nhosts = ["127.0.0.1"]\nrate = "%s/s"\nburst = 1\nconcurrency = 100000\nqueue = 1000000\nmax_wait = "600s"\n' \
+    printf '[proxy]\nlisten = "127.0.0.1:%s"\n[[limit]]\nname = "bench"\nhosts = ["127.0.0.1"]\nrate = "%s/s"\nburst = 1\nconcurrency = 100000\nqueue = 1000000\nmax_wait = "600s"\n[access]\nallow = ["127.0.0.0/8", "::1"]\n' \
       "$1" "$2"
   else
-    printf '[proxy]\nlisten = "127.0.0.1:%s"\n[defaults]\nrate = "unlimited"\nconcurrency = 100000\n' "$1"
+    printf '[proxy]\nlisten = "127.0.0.1:%s"\n[defaults]\nrate = "unlimited"\nconcurrency = 100000\n[access]\nallow = ["127.0.0.0/8", "::1"]\n' "$1"
   fi
 }
 

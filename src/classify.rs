@@ -32,7 +32,8 @@ pub enum Kind {
 pub struct Target {
     /// How the request reached tollgate.
     pub kind: Kind,
-    /// Upstream host, lower-cased (IPv6 literals keep their brackets).
+    /// Upstream host in its canonical form ([`crate::host::canonical`]; an IPv6
+    /// literal in brackets): what groups, the policy and the pool match on.
     pub host: String,
     /// Upstream port.
     pub port: u16,
@@ -78,7 +79,14 @@ impl Classifier {
                 let (host, port) = host_and_port(authority);
                 let port = port.unwrap_or(default_port(scheme));
                 if !addressed_to(host, port, local) {
-                    return forward(uri, scheme, authority, host, port);
+                    let target = forward(uri, scheme, authority, host, port)?;
+                    // An address written another way (`127.1`, `[::ffff:127.0.0.1]`)
+                    // goes on as its canonical form, so the pool and the dialer see
+                    // what the group and the policy saw; a name keeps its spelling.
+                    if target.host != host.to_ascii_lowercase() {
+                        *req.uri_mut() = with_host(req.uri(), &target.host)?;
+                    }
+                    return Ok(target);
                 }
             }
         }
@@ -103,24 +111,48 @@ impl Classifier {
         }
         Ok(Target {
             kind: Kind::Tunnel,
-            host: lowercased(host),
+            host: canonical(host)?,
             port,
             limit: None,
         })
     }
 
     fn route<B>(&self, req: &mut Request<B>) -> Result<Target, ProxyError> {
-        let path = req.uri().path();
+        let raw = req.uri().path();
+        // Matched on the normalised path, so `..` and encodings cannot reach what the
+        // prefix does not name; a path written under a route that normalises out of it
+        // is refused rather than sent to another route, or to the route's parent.
+        let path = crate::path::normalize(raw).map_err(|e| {
+            ProxyError::BadRequest(format!("{e}: routed paths stay inside their route"))
+        })?;
+        let within = |path: &str, prefix: &str| {
+            path.strip_prefix(prefix)
+                .or_else(|| (path == &prefix[..prefix.len() - 1]).then_some(""))
+                .map(str::to_owned)
+        };
         let matched = self.routes.iter().find_map(|route| {
-            let prefix = route.prefix.as_str();
-            let rest = path
-                .strip_prefix(prefix)
-                .or_else(|| (path == &prefix[..prefix.len() - 1]).then_some(""))?;
+            let rest = within(&path, route.prefix.as_str())?;
             Some((route, rest))
         });
+        // The route the path names as written, before `.` and `..` are resolved.
+        let as_written = self
+            .routes
+            .iter()
+            .find(|route| within(raw, route.prefix.as_str()).is_some());
+        if let Some(escaped) = as_written {
+            let same = matched
+                .as_ref()
+                .is_some_and(|(m, _)| m.prefix == escaped.prefix);
+            if !same {
+                return Err(ProxyError::BadRequest(format!(
+                    "the path {raw:?} leaves the route {:?} once '.' and '..' are resolved ({path:?})",
+                    escaped.prefix.as_str()
+                )));
+            }
+        }
         let Some((route, rest)) = matched else {
             return Err(ProxyError::NoRoute {
-                path: path.to_string(),
+                path: raw.to_string(),
                 routes: self
                     .routes
                     .iter()
@@ -142,7 +174,7 @@ impl Classifier {
         parts.path_and_query = Some(path_and_query);
         let uri = Uri::from_parts(parts)
             .map_err(|e| ProxyError::BadRequest(format!("cannot rewrite path: {e}")))?;
-        let mut target = target_of(&upstream.scheme, &upstream.authority, Kind::Route);
+        let mut target = target_of(&upstream.scheme, &upstream.authority, Kind::Route)?;
         target.limit = route.limit.clone();
         *req.uri_mut() = uri;
         Ok(target)
@@ -171,7 +203,7 @@ fn forward(
     }
     Ok(Target {
         kind: Kind::Forward,
-        host: lowercased(host),
+        host: canonical(host)?,
         port,
         limit: None,
     })
@@ -179,19 +211,34 @@ fn forward(
 
 /// The target of a request of `kind` to `authority` under `scheme`, its host lower-cased
 /// and the scheme's default port filled in.
-fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Target {
+fn target_of(scheme: &Scheme, authority: &Authority, kind: Kind) -> Result<Target, ProxyError> {
     let (host, port) = host_and_port(authority);
-    Target {
+    Ok(Target {
         kind,
-        host: lowercased(host),
+        host: canonical(host)?,
         port: port.unwrap_or(default_port(scheme)),
         limit: None,
-    }
+    })
 }
 
-/// `host` lower-cased: host names are case-insensitive, groups are found by name.
-fn lowercased(host: &str) -> String {
-    host.to_ascii_lowercase()
+/// `host` in its canonical form; refused when it cannot name a host.
+fn canonical(host: &str) -> Result<String, ProxyError> {
+    crate::host::canonical(host)
+        .ok_or_else(|| ProxyError::BadRequest(format!("{host:?} is not a host name or address")))
+}
+
+/// `uri` with `host` in place of its authority's host, the port kept.
+fn with_host(uri: &Uri, host: &str) -> Result<Uri, ProxyError> {
+    let authority = match uri.port_u16() {
+        Some(port) => format!("{host}:{port}"),
+        None => host.to_string(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.authority = Some(
+        Authority::try_from(authority)
+            .map_err(|e| ProxyError::BadRequest(format!("bad authority: {e}")))?,
+    );
+    Uri::from_parts(parts).map_err(|e| ProxyError::BadRequest(format!("bad URI: {e}")))
 }
 
 /// `authority`'s host (with an IPv6 literal's brackets) and port, if it names one.

@@ -35,6 +35,27 @@ pub enum ProxyError {
         /// The refused port.
         port: u16,
     },
+    /// The destination policy refuses the destination (`[access]`); nothing was dialled.
+    #[error("{denial}{}", allow_hint(.denial))]
+    DestinationDenied {
+        /// What was refused, and by which rule.
+        denial: crate::access::Denial,
+    },
+    /// `[access] users` is set and the request carries no valid `Proxy-Authorization`.
+    #[error("proxy authentication required: send Proxy-Authorization: Basic with a user of [access] users")]
+    ProxyAuthRequired,
+    /// The client's address is not in `[access] clients`.
+    #[error("client {client} may not use this proxy ([access] clients)")]
+    ClientDenied {
+        /// The client's address.
+        client: std::net::IpAddr,
+    },
+    /// The request already passed through this tollgate (its `Via` names it).
+    #[error("loop detected: the request already passed through tollgate (Via: {via})")]
+    LoopDetected {
+        /// The request's `Via` header.
+        via: String,
+    },
     /// The upstream host name did not resolve.
     #[error("could not resolve {host}: {reason}")]
     Dns {
@@ -125,6 +146,13 @@ pub enum ProxyError {
     },
 }
 
+fn allow_hint(denial: &crate::access::Denial) -> String {
+    match &denial.allow {
+        Some(allow) => format!("; to allow it, add {allow:?} to [access] allow"),
+        None => String::new(),
+    }
+}
+
 fn list_routes(routes: &[String]) -> String {
     if routes.is_empty() {
         "no routes are configured; use this address as HTTP_PROXY, or add a [[route]]".into()
@@ -140,7 +168,11 @@ impl ProxyError {
         match self {
             BadRequest(_) => StatusCode::BAD_REQUEST,
             NoRoute { .. } => StatusCode::NOT_FOUND,
-            PortNotAllowed { .. } => StatusCode::FORBIDDEN,
+            PortNotAllowed { .. } | DestinationDenied { .. } | ClientDenied { .. } => {
+                StatusCode::FORBIDDEN
+            }
+            ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            LoopDetected { .. } => StatusCode::LOOP_DETECTED,
             Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
             ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -156,7 +188,11 @@ impl ProxyError {
         match self {
             BadRequest(_) => "http_request_error",
             NoRoute { .. } => "destination_not_found",
-            PortNotAllowed { .. } => "http_request_denied",
+            PortNotAllowed { .. } | ProxyAuthRequired | ClientDenied { .. } => {
+                "http_request_denied"
+            }
+            DestinationDenied { .. } => "destination_ip_prohibited",
+            LoopDetected { .. } => "proxy_loop_detected",
             Dns { .. } => "dns_error",
             ConnectionRefused { .. } => "connection_refused",
             ConnectTimeout { .. } => "connection_timeout",
@@ -223,6 +259,12 @@ impl ProxyError {
             // that honours it does not come straight back.
             let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        if matches!(self, ProxyError::ProxyAuthRequired) {
+            headers.insert(
+                header::PROXY_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"tollgate\""),
+            );
         }
         resp
     }

@@ -7,9 +7,12 @@
 //!
 //! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) and
 //!   drains them on shutdown;
-//! * [`proxy`] — the whole path of one request, on one screen: classify, wait in the
-//!   group, send, judge the answer, retry;
-//! * [`classify`] — decides forward / tunnel / route and rewrites route URIs;
+//! * [`proxy`] — the whole path of one request, on one screen: check access, classify,
+//!   wait in the group, send, judge the answer, retry;
+//! * [`access`] — client addresses, proxy authentication, loops, and the destination
+//!   policy the dialer applies;
+//! * [`classify`] — decides forward / tunnel / route and rewrites route URIs, on the
+//!   canonical host ([`host`]) and the normalised path ([`path`]);
 //! * [`limit`] — groups: the FIFO queue, the rate (GCRA, in memory or in Redis), the
 //!   pause and concurrency permits;
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
@@ -28,14 +31,17 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod classify;
 pub mod config;
 pub mod descriptors;
 pub mod error;
+pub mod host;
 pub mod limit;
 pub mod metrics;
+pub mod path;
 pub mod precise_sleep;
 pub mod proxy;
 pub mod pushback;

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! Proxy::handle
+//!   0. access        the client's address, its proxy credentials, a loop
 //!   1. classify      where it goes (forward, route, tunnel) and whose budget it spends
 //!   2. tunnel        CONNECT: wait in the group, then open it (permit held while open)
 //!   3. forward       read the body into memory when small, so it can be replayed;
@@ -27,6 +28,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::access::Access;
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
@@ -40,6 +42,7 @@ use crate::upstream::{Dialer, Upstream};
 /// Everything a request needs, built once from the configuration and shared by all
 /// connections.
 pub struct Proxy {
+    access: Access,
     classifier: Classifier,
     limits: Arc<Limits>,
     metrics: Arc<Metrics>,
@@ -69,8 +72,10 @@ impl Proxy {
         };
         let store = redis.clone().map_or(Store::Memory, Store::Redis);
         let limits = Arc::new(Limits::new(config, metrics.clone(), store));
+        let access = Access::new(config)?;
         let dialer = Dialer {
             connect_timeout: config.proxy.connect_timeout.0,
+            policy: access.policy.clone(),
         };
         let upstream =
             Upstream::new(&config.proxy, dialer.clone()).map_err(|message| ConfigError::Other {
@@ -78,6 +83,7 @@ impl Proxy {
                 message,
             })?;
         Ok(Proxy {
+            access,
             classifier: Classifier::new(config),
             limits,
             metrics,
@@ -89,7 +95,7 @@ impl Proxy {
         })
     }
 
-    /// Serves one request from a client connected to `local`. Never fails: an error is
+    /// Serves one request from `client`, connected to `local`. Never fails: an error is
     /// answered with its own response.
     ///
     /// The request is classified before the future is built, and kept in a box: hyper
@@ -99,14 +105,23 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         local: SocketAddr,
+        client: SocketAddr,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
-        let classified = self.classify(req.map(body::boxed), local).map(Box::new);
+        let req = req.map(body::boxed);
+        // 0. Who asks, and whether it came round again (a password is checked below).
+        let checked = self.access.check(client, req.headers());
+        let classified = self.classify(req, local).map(Box::new);
         async move {
-            let answered = match classified {
-                Ok(to) if to.target.kind == Kind::Tunnel => self.tunnel(to, arrived).await,
-                Ok(to) => self.forward(to, arrived).await,
-                Err(e) => Err(e),
+            let answered = match (checked, classified) {
+                (Err(e), _) => Err(e),
+                (Ok(check), classified) => match (check.user().await, classified) {
+                    (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => {
+                        self.tunnel(to, arrived).await
+                    }
+                    (Ok(_), Ok(to)) => self.forward(to, arrived).await,
+                },
             };
             answered.unwrap_or_else(|e| {
                 tracing::debug!(error = %e, "request failed");
@@ -122,8 +137,12 @@ impl Proxy {
         local: SocketAddr,
     ) -> Result<Classified, ProxyError> {
         let target = self.classifier.classify(&mut req, local)?;
-        let group = self.limits.group_for(&target.host, target.limit.as_deref());
-        let cost = group.settings.cost_of(req.method(), req.uri().path());
+        let group = self
+            .limits
+            .group_for(&target.host, target.port, target.limit.as_deref());
+        let cost = group
+            .settings
+            .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
         Ok(Classified {
             request: Replayable::new(req),

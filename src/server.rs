@@ -110,6 +110,15 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ConfigError> {
     let sockets = sockets.into();
+    // The addresses actually bound (a port 0 chosen), which the destination policy
+    // refuses: tollgate never proxies to itself.
+    let mut config = config;
+    if let Ok(addr) = sockets.local_addr() {
+        config.proxy.listen = addr;
+    }
+    if let Some(Ok(listen)) = admin.as_ref().map(TcpListener::local_addr) {
+        config.admin = Some(crate::config::AdminConfig { listen });
+    }
     let proxy = Arc::new(Proxy::new(&config)?);
     proxy.start_background();
     let stop = CancellationToken::new();
@@ -346,10 +355,10 @@ impl Client {
         drain: &CancellationToken,
         cut: &CancellationToken,
     ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local) = (self.proxy, self.local);
+        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
         let service = service_fn(move |req: Request<Incoming>| {
             let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req, local).await) }
+            async move { Ok::<_, Infallible>(proxy.handle(req, local, remote).await) }
         });
         let conn = self
             .protocols
@@ -369,7 +378,7 @@ impl Client {
         drain: &CancellationToken,
         cut: &CancellationToken,
     ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local) = (self.proxy, self.local);
+        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
         let idle = Arc::new(Idle::new());
         let service = {
             let idle = idle.clone();
@@ -381,7 +390,7 @@ impl Client {
                     req.extensions_mut().insert(KeepWhileOpen(open.clone()));
                 }
                 async move {
-                    let response = proxy.handle(req, local).await;
+                    let response = proxy.handle(req, local, remote).await;
                     // The stream is open until its response body has been sent.
                     Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, open))))
                 }

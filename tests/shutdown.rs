@@ -348,7 +348,7 @@ async fn binary_serves_and_exits_0_on_sigterm() {
     let config = write_file(
         dir.path(),
         "tollgate.toml",
-        "[proxy]\nshutdown_grace = \"5s\"\n",
+        &format!("[proxy]\nshutdown_grace = \"5s\"\n{ALLOW_LOOPBACK}"),
     );
     let (child, listen) = run_listening(tollgate(), &config).await;
     let pid = child.id().expect("running").to_string();
@@ -445,7 +445,11 @@ async fn binary_raises_its_descriptor_limit_and_holds_more_connections_than_the_
     }
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
     let dir = tempfile::tempdir().unwrap();
-    let config = write_file(dir.path(), "tollgate.toml", "[proxy]\n");
+    let config = write_file(
+        dir.path(),
+        "tollgate.toml",
+        &format!("[proxy]\n{ALLOW_LOOPBACK}"),
+    );
     let nofile = format!("--nofile=256:{hard}");
     let wrapped = tollgate_via(
         "prlimit",

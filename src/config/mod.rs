@@ -23,13 +23,13 @@ mod tables;
 mod values;
 
 pub use tables::{
-    AdminConfig, BackendConfig, BackendKind, GroupSettings, LimitGroup, OnBackendError,
-    ProxyConfig, RouteConfig,
+    AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, LimitGroup,
+    OnBackendError, ProxyConfig, RouteConfig,
 };
 
 pub use values::{
-    ByteSize, ConnectPorts, CostRule, Dur, HostPattern, Rate, Rates, RedisUrl, RoutePrefix,
-    StatusCode, UpstreamUrl,
+    AccessRule, ByteSize, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, Rates,
+    RedisUrl, RoutePrefix, StatusCode, UpstreamUrl,
 };
 
 /// The whole configuration file.
@@ -47,6 +47,8 @@ pub struct Config {
     pub admin: Option<AdminConfig>,
     /// Where limit state lives: in this process, or in Redis shared by replicas.
     pub backend: BackendConfig,
+    /// Where requests may go, and who may send them.
+    pub access: AccessConfig,
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -127,6 +129,8 @@ struct RawConfig {
     admin: Option<AdminConfig>,
     #[serde(default)]
     backend: Option<Spanned<BackendConfig>>,
+    #[serde(default)]
+    access: AccessConfig,
 }
 
 /// A `[defaults]` or `[[limit]]` table as written: every key optional, so a `[[limit]]`
@@ -301,6 +305,7 @@ impl RawConfig {
             limits,
             admin: self.admin,
             backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
+            access: self.access,
         })
     }
 }

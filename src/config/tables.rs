@@ -10,7 +10,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::values::{
-    ConnectPorts, CostRule, Dur, HostPattern, Rate, RedisUrl, RoutePrefix, UpstreamUrl,
+    AccessRule, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, RedisUrl, RoutePrefix,
+    UpstreamUrl,
 };
 
 /// `[proxy]`: where tollgate listens and how it talks to upstreams.
@@ -142,6 +143,25 @@ pub struct LimitGroup {
     pub hosts: Vec<HostPattern>,
     /// The resolved settings.
     pub settings: GroupSettings,
+}
+
+/// `[access]`: where requests may go, and who may send them.
+///
+/// Destinations that are not public unicast addresses (loopback, private ranges,
+/// link-local and cloud metadata, ...) are refused unless `allow` names them; `deny`
+/// refuses more on top, and wins over `allow`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AccessConfig {
+    /// Destinations opened on top of the public internet: ranges or host patterns.
+    pub allow: Vec<AccessRule>,
+    /// Destinations refused whatever else allows them: ranges or host patterns.
+    pub deny: Vec<AccessRule>,
+    /// An htpasswd file (bcrypt hashes): when set, every request and CONNECT must carry
+    /// `Proxy-Authorization: Basic` with one of its users.
+    pub users: Option<PathBuf>,
+    /// Client addresses that may use the proxy; any when empty.
+    pub clients: Vec<ClientRange>,
 }
 
 /// `[admin]`: the listener for metrics and status, kept apart from proxied traffic.

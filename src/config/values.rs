@@ -184,31 +184,163 @@ impl<'de> Deserialize<'de> for StatusCode {
 }
 
 /// A host name, or `*.domain` for every name under `domain` (not `domain` itself).
+/// An exact host may carry a port (`api.example.com:8443`): it then matches requests to
+/// that port only. Hosts are kept in their canonical form ([`crate::host::canonical`]),
+/// so `127.1` in the file is `127.0.0.1`, as it is in a request.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum HostPattern {
-    /// Exactly this host (lower case).
+    /// Exactly this host, or `host:port`.
     Exact(String),
     /// Any host ending in `.domain`; holds `.domain`.
     Suffix(String),
 }
 
+impl HostPattern {
+    /// Reads a pattern as written in the file.
+    pub fn parse(text: &str) -> Result<HostPattern, String> {
+        let text = text.trim();
+        let bad = |why: &str| {
+            format!(
+                "invalid host {text:?}: {why}; expected a host like \"api.github.com\", \"api.example.com:8443\" or a pattern like \"*.github.com\""
+            )
+        };
+        if let Some(domain) = text.strip_prefix("*.") {
+            let domain = crate::host::canonical(domain)
+                .filter(|d| is_name(d))
+                .ok_or_else(|| bad("not a domain name"))?;
+            return Ok(HostPattern::Suffix(format!(".{domain}")));
+        }
+        // A bare IPv6 address is written in brackets in a URI.
+        if let Ok(v6) = text.parse::<std::net::Ipv6Addr>() {
+            return Ok(HostPattern::Exact(crate::host::from_ip(v6.into())));
+        }
+        let (host, port) =
+            split_port(text).ok_or_else(|| bad("the port is not a number from 1 to 65535"))?;
+        let host = crate::host::canonical(host)
+            .filter(|h| crate::host::ip_of(h).is_some() || is_name(h))
+            .ok_or_else(|| bad("not a host name or address"))?;
+        Ok(HostPattern::Exact(match port {
+            Some(port) => format!("{host}:{port}"),
+            None => host,
+        }))
+    }
+
+    /// Whether `host` (canonical) on `port` matches.
+    pub fn matches(&self, host: &str, port: u16) -> bool {
+        match self {
+            HostPattern::Suffix(suffix) => host.ends_with(suffix.as_str()),
+            HostPattern::Exact(exact) => match exact.rsplit_once(':') {
+                Some((h, p)) if !exact.ends_with(']') => h == host && p == port.to_string(),
+                _ => exact == host,
+            },
+        }
+    }
+}
+
+/// `host[:port]` split, an IPv6 literal with or without brackets; `None` for a port
+/// that is not 1–65535.
+fn split_port(text: &str) -> Option<(&str, Option<u16>)> {
+    let port = |p: &str| p.parse::<u16>().ok().filter(|p| *p != 0);
+    if text.starts_with('[') {
+        return match text.split_once("]:") {
+            Some((host, p)) => Some((&text[..host.len() + 1], Some(port(p)?))),
+            None => Some((text, None)),
+        };
+    }
+    match text.split_once(':') {
+        // More than one colon: a bare IPv6 literal.
+        Some((_, rest)) if rest.contains(':') => Some((text, None)),
+        Some((host, p)) => Some((host, Some(port(p)?))),
+        None => Some((text, None)),
+    }
+}
+
+/// Whether a canonical host is a plausible DNS name.
+fn is_name(host: &str) -> bool {
+    !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+}
+
 impl<'de> Deserialize<'de> for HostPattern {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(d)?.trim().to_ascii_lowercase();
-        let (pattern, name) = match text.strip_prefix("*.") {
-            Some(domain) => (HostPattern::Suffix(format!(".{domain}")), domain),
-            None => (HostPattern::Exact(text.clone()), text.as_str()),
-        };
-        let valid = !name.is_empty()
-            && name.chars().all(|c| {
-                c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']')
-            });
-        if !valid {
-            return Err(de::Error::custom(format!(
-                "invalid host {text:?}: expected a host name like \"api.github.com\" or a pattern like \"*.github.com\""
-            )));
+        HostPattern::parse(&String::deserialize(d)?).map_err(de::Error::custom)
+    }
+}
+
+/// An `[access]` rule: an address range (`10.0.0.0/8`, `::1`, `127.0.0.1`) or a host
+/// pattern (`internal.example.com`, `*.corp.example`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AccessRule {
+    /// Every address in the range.
+    Net(ipnet::IpNet),
+    /// Every host the pattern matches, on any port.
+    Host(HostPattern),
+}
+
+impl std::fmt::Display for AccessRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AccessRule::Net(net) => write!(f, "{net}"),
+            AccessRule::Host(HostPattern::Exact(host)) => write!(f, "{host}"),
+            AccessRule::Host(HostPattern::Suffix(suffix)) => write!(f, "*{suffix}"),
         }
-        Ok(pattern)
+    }
+}
+
+impl<'de> Deserialize<'de> for AccessRule {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let text = text.trim();
+        if let Ok(net) = text.parse::<ipnet::IpNet>() {
+            return Ok(AccessRule::Net(canonical_net(net)));
+        }
+        let pattern = HostPattern::parse(text).map_err(de::Error::custom)?;
+        if let HostPattern::Exact(host) = &pattern {
+            if host.contains(':') && !host.starts_with('[') || host.contains("]:") {
+                return Err(de::Error::custom(format!(
+                    "invalid rule {text:?}: [access] rules name hosts or address ranges, without a port"
+                )));
+            }
+            if let Some(ip) = crate::host::ip_of(host) {
+                return Ok(AccessRule::Net(ipnet::IpNet::from(ip)));
+            }
+        }
+        Ok(AccessRule::Host(pattern))
+    }
+}
+
+/// A range of client addresses (`10.0.0.0/8`, or one address, `192.0.2.7`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientRange(pub ipnet::IpNet);
+
+impl<'de> Deserialize<'de> for ClientRange {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let text = text.trim();
+        let net = text
+            .parse::<ipnet::IpNet>()
+            .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+            .map_err(|_| {
+                de::Error::custom(format!(
+                    "invalid client range {text:?}: expected an address range like \"10.0.0.0/8\" or an address"
+                ))
+            })?;
+        Ok(ClientRange(canonical_net(net)))
+    }
+}
+
+/// `net` with an IPv4-mapped IPv6 range written as the IPv4 range it maps.
+fn canonical_net(net: ipnet::IpNet) -> ipnet::IpNet {
+    match net {
+        ipnet::IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+            Some(v4) => ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96)
+                .map(ipnet::IpNet::V4)
+                .unwrap_or(net),
+            None => net.trunc(),
+        },
+        _ => net.trunc(),
     }
 }
 

@@ -101,9 +101,14 @@ impl Limits {
         }
     }
 
-    /// The group for a request to `host` (lower case), or the group `named` by its route.
-    pub fn group_for(&self, host: &str, named: Option<&str>) -> Arc<Group> {
+    /// The group for a request to `host` (canonical) on `port`, or the group `named` by
+    /// its route. A `[[limit]]` host listed with a port matches that port only, before
+    /// the same host listed without one.
+    pub fn group_for(&self, host: &str, port: u16, named: Option<&str>) -> Arc<Group> {
         if let Some(group) = named.and_then(|name| self.by_name.get(name)) {
+            return group.clone();
+        }
+        if let Some(group) = self.by_host.get(&format!("{host}:{port}")) {
             return group.clone();
         }
         if let Some(group) = self.by_host.get(host) {
@@ -201,27 +206,40 @@ mod tests {
     #[test]
     fn hosts_find_their_group() {
         let l = limits();
-        assert_eq!(&*l.group_for("api.github.com", None).name, "gh");
-        assert_eq!(&*l.group_for("raw.ghusercontent.com", None).name, "gh");
-        assert_eq!(&*l.group_for("a.b.ghusercontent.com", None).name, "gh");
+        assert_eq!(&*l.group_for("api.github.com", 443, None).name, "gh");
+        assert_eq!(&*l.group_for("raw.ghusercontent.com", 443, None).name, "gh");
+        assert_eq!(&*l.group_for("a.b.ghusercontent.com", 443, None).name, "gh");
         assert_eq!(
-            &*l.group_for("ghusercontent.com", None).name,
+            &*l.group_for("ghusercontent.com", 443, None).name,
             "ghusercontent.com"
         );
-        assert_eq!(&*l.group_for("example.com", Some("gh")).name, "gh");
-        let a = l.group_for("example.com", None);
+        assert_eq!(&*l.group_for("example.com", 443, Some("gh")).name, "gh");
+        let a = l.group_for("example.com", 443, None);
         assert!(
-            Arc::ptr_eq(&a, &l.group_for("example.com", None)),
+            Arc::ptr_eq(&a, &l.group_for("example.com", 443, None)),
             "one group per host"
         );
     }
 
     #[test]
+    fn a_host_listed_with_a_port_matches_that_port_first() {
+        let config = Config::parse(
+            "[[limit]]\nname = \"tls\"\nhosts = [\"api.example.com:8443\"]\n\
+             [[limit]]\nname = \"any\"\nhosts = [\"API.example.com.\"]\n",
+            "t",
+        )
+        .unwrap();
+        let l = Limits::new(&config, Arc::new(Metrics::new()), Store::Memory);
+        assert_eq!(&*l.group_for("api.example.com", 8443, None).name, "tls");
+        assert_eq!(&*l.group_for("api.example.com", 443, None).name, "any");
+    }
+
+    #[test]
     fn idle_groups_of_unlisted_hosts_are_evicted() {
         let l = limits();
-        let kept = l.group_for("busy.example", None);
+        let kept = l.group_for("busy.example", 443, None);
         for i in 0..20_000 {
-            l.group_for(&format!("host-{i}.example"), None);
+            l.group_for(&format!("host-{i}.example"), 443, None);
         }
         // Sweeps keep the map within twice what is in use (here: one group).
         assert!(
@@ -230,7 +248,7 @@ mod tests {
             l.dynamic_groups()
         );
         assert!(
-            Arc::ptr_eq(&kept, &l.group_for("busy.example", None)),
+            Arc::ptr_eq(&kept, &l.group_for("busy.example", 443, None)),
             "a group in use stays"
         );
         // Their metric series went with them.

@@ -9,6 +9,7 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tower::Service;
 
+use crate::access::Policy;
 use crate::body::{Body, BoxError};
 use crate::config::ProxyConfig;
 use crate::error::{ProxyError, PROXY_NAME};
@@ -88,27 +90,39 @@ pub fn authority_of(uri: &Uri) -> String {
     format!("{host}:{port}")
 }
 
-/// Opens TCP connections to upstreams, within `connect_timeout`.
+/// Opens TCP connections to upstreams the destination policy allows, within
+/// `connect_timeout`.
 #[derive(Debug, Clone)]
 pub struct Dialer {
     /// The longest time name resolution plus the TCP handshake may take.
     pub connect_timeout: Duration,
+    /// Which addresses may be dialled.
+    pub policy: Arc<Policy>,
 }
 
 impl Dialer {
-    /// Resolves `host` and connects to the first address that accepts, within the
-    /// connect timeout. `host` may be a bracketed IPv6 literal.
+    /// Resolves `host` (canonical; an IPv6 literal in brackets), checks every address
+    /// it resolves to against the policy, and connects to the first vetted address that
+    /// accepts, within the connect timeout. The vetted addresses themselves are dialled:
+    /// a name is never resolved twice, so DNS cannot answer one address to the check
+    /// and another to the connection. One refused address refuses the name: a name
+    /// that resolves to a public and a private address is not trusted with either.
     pub async fn dial(&self, host: &str, port: u16) -> Result<TcpStream, ProxyError> {
-        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let denied = |denial| ProxyError::DestinationDenied { denial };
+        self.policy.check_host(host).map_err(denied)?;
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
         let authority = format!("{host}:{port}");
         let attempt = async {
-            let addrs =
-                tokio::net::lookup_host((host, port))
-                    .await
-                    .map_err(|e| ProxyError::Dns {
-                        host: host.to_string(),
-                        reason: e.to_string(),
-                    })?;
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((bare, port))
+                .await
+                .map_err(|e| ProxyError::Dns {
+                    host: host.to_string(),
+                    reason: e.to_string(),
+                })?
+                .collect();
+            for addr in &addrs {
+                self.policy.check_addr(host, *addr).map_err(denied)?;
+            }
             let mut last_error = None;
             for addr in addrs {
                 match TcpStream::connect(addr).await {

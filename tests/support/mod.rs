@@ -889,8 +889,23 @@ pub async fn start_proxy_with_admin(config_toml: &str) -> Proxy {
     launch(config_toml, true).await
 }
 
+/// What every test config that reaches the loopback upstreams says: tollgate refuses
+/// loopback destinations unless `[access] allow` names them.
+pub const ALLOW_LOOPBACK: &str = "\n[access]\nallow = [\"127.0.0.0/8\", \"::1\"]\n";
+
+/// `config_toml` with loopback allowed ([`ALLOW_LOOPBACK`]), unless it has an `[access]`
+/// table of its own (a test of the policy says what it allows).
+pub fn allowing_loopback(config_toml: &str) -> String {
+    if config_toml.contains("[access]") {
+        config_toml.to_string()
+    } else {
+        format!("{config_toml}{ALLOW_LOOPBACK}")
+    }
+}
+
 async fn launch(config_toml: &str, with_admin: bool) -> Proxy {
-    let config = tollgate::config::Config::parse(config_toml, "test.toml")
+    let config_toml = allowing_loopback(config_toml);
+    let config = tollgate::config::Config::parse(&config_toml, "test.toml")
         .unwrap_or_else(|e| panic!("test config does not parse: {e}"));
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
     let addr = listener.local_addr().unwrap();
