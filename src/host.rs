@@ -75,10 +75,23 @@ fn number(part: &str) -> Option<u64> {
         None if part.len() > 1 && part.starts_with('0') => (&part[1..], 8),
         None => (part, 10),
     };
-    if digits.is_empty() || digits.len() > 12 || !digits.chars().all(|c| c.is_digit(radix)) {
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
         return None;
     }
-    u64::from_str_radix(digits, radix).ok()
+    // Any number of leading zeros, as glibc reads them; what is left must fit.
+    let significant = digits.trim_start_matches('0');
+    if significant.len() > 12 {
+        return None;
+    }
+    u64::from_str_radix(
+        if significant.is_empty() {
+            "0"
+        } else {
+            significant
+        },
+        radix,
+    )
+    .ok()
 }
 
 #[cfg(test)]
@@ -97,6 +110,8 @@ mod tests {
             ("0X7F.0.0.01", "127.0.0.1"),
             ("0x7f000001", "127.0.0.1"),
             ("017700000001", "127.0.0.1"),
+            ("0x000000000000007f.1", "127.0.0.1"),
+            ("00000000000000177.0.0.1", "127.0.0.1"),
             ("127.0.0.1.", "127.0.0.1"),
             ("[::ffff:127.0.0.1]", "127.0.0.1"),
             ("[::FFFF:7f00:1]", "127.0.0.1"),

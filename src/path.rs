@@ -31,17 +31,28 @@ pub fn normalize(path: &str) -> Result<String, PathError> {
     remove_dot_segments(&decoded).ok_or_else(|| PathError::Climbs(path.to_string()))
 }
 
-/// The form cost rules are matched against: [`normalize`]d when it can be, with runs of
-/// `/` taken as one (`//search` is `/search` to most servers).
+/// The form cost rules are matched against: runs of `/` taken as one (`//search` is
+/// `/search` to most servers), unreserved characters decoded, then dot segments
+/// removed, a `..` above the root dropped as RFC 3986 drops it (an upstream that
+/// resolves `/../search` serves `/search`).
 pub fn for_matching(path: &str) -> String {
-    let normalized = normalize(path).unwrap_or_else(|_| decode_unreserved(path));
-    let mut out = String::with_capacity(normalized.len());
-    for c in normalized.chars() {
-        if !(c == '/' && out.ends_with('/')) {
-            out.push(c);
+    let mut merged = String::with_capacity(path.len());
+    for c in decode_unreserved(path).chars() {
+        if !(c == '/' && merged.ends_with('/')) {
+            merged.push(c);
         }
     }
-    out
+    let mut depth_kept = Vec::new();
+    for segment in merged.split('/').skip(1) {
+        match segment {
+            "." => {}
+            ".." => {
+                depth_kept.pop();
+            }
+            _ => depth_kept.push(segment),
+        }
+    }
+    format!("/{}", depth_kept.join("/"))
 }
 
 /// Percent-encodings of unreserved characters (`A-Z a-z 0-9 - . _ ~`) decoded; every
@@ -153,6 +164,8 @@ mod tests {
             "/%73earch",
             "/x/../search",
             "///search",
+            "/../search",
+            "/x//../search",
         ] {
             assert_eq!(for_matching(path), "/search", "{path}");
         }

@@ -33,6 +33,10 @@ use crate::config::{Config, ConfigError};
 use crate::proxy::Proxy;
 use crate::tunnel::KeepWhileOpen;
 
+/// At shutdown, how long a new connection that has sent nothing yet may take to show
+/// its first bytes before it is closed (a request already under way is served).
+const FIRST_BYTES_AT_SHUTDOWN: Duration = Duration::from_millis(250);
+
 /// How often an HTTP/2 client is pinged to tell a live idle connection from a dead one.
 const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
 
@@ -324,7 +328,13 @@ impl Client {
         let remote = self.remote;
         let h2 = tokio::select! {
             h2 = tokio::time::timeout(self.protocols.header_timeout, speaks_h2(&stream)) => h2,
-            () = drain.cancelled() => return,
+            // A connection accepted just before shutdown may have its request on the way:
+            // it is served if its first bytes come soon after the drain begins.
+            () = async {
+                drain.cancelled().await;
+                tokio::time::sleep(FIRST_BYTES_AT_SHUTDOWN).await;
+            } => return,
+            () = cut.cancelled() => return,
         };
         let ended = match h2 {
             // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
@@ -426,6 +436,7 @@ impl Client {
 /// first request of every connection.)
 async fn speaks_h2(stream: &TcpStream) -> std::io::Result<bool> {
     let mut first = [0u8; H2_PREFACE.len()];
+    let mut pause = Duration::from_millis(5);
     loop {
         let n = stream.peek(&mut first).await?;
         if n == 0 || !H2_PREFACE.starts_with(&first[..n]) {
@@ -434,8 +445,10 @@ async fn speaks_h2(stream: &TcpStream) -> std::io::Result<bool> {
         if n == H2_PREFACE.len() {
             return Ok(true);
         }
-        // Part of the preface: peeking again at once would see the same bytes.
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        // Part of the preface: peeking again at once would see the same bytes. A client
+        // that stalls there is looked at less and less often.
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
     }
 }
 

@@ -143,14 +143,23 @@ impl Policy {
         Ok(())
     }
 
-    /// Whether `ip:port` reaches one of tollgate's own listeners.
+    /// Whether `ip:port` reaches one of tollgate's own listeners. A listener on every
+    /// address (`0.0.0.0`, `[::]`) is reached through any address of this host: that is
+    /// asked of the kernel (an address a socket can be bound to is local), and only for
+    /// a destination on a listener's port.
     fn is_own(&self, ip: IpAddr, port: u16) -> bool {
         self.own.iter().any(|own| {
             own.port() == port
                 && (canonical_ip(own.ip()) == ip
-                    || (own.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified())))
+                    || (own.ip().is_unspecified()
+                        && (ip.is_loopback() || ip.is_unspecified() || is_local(ip))))
         })
     }
+}
+
+/// Whether `ip` is an address of this host.
+fn is_local(ip: IpAddr) -> bool {
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 /// `ip`, an IPv4-mapped IPv6 address as the IPv4 address it maps.

@@ -158,6 +158,10 @@ struct RawSettings {
 
 type Located = (Range<usize>, String);
 
+/// The most requests of one group that may be in flight: far beyond any upstream's
+/// limit, and within what tokio's semaphore can count.
+const MAX_CONCURRENCY: usize = 1 << 24;
+
 impl RawSettings {
     /// These settings over `base`, checked.
     fn resolve(self, base: &GroupSettings) -> Result<GroupSettings, Located> {
@@ -196,7 +200,15 @@ impl RawSettings {
         Ok(GroupSettings {
             rates: self.rate.map_or_else(|| base.rates.clone(), |r| r.0),
             burst: at_least_one(self.burst, "burst", base.burst)?,
-            concurrency: at_least_one(self.concurrency, "concurrency", base.concurrency)?,
+            concurrency: match self.concurrency {
+                Some(c) if *c.get_ref() > MAX_CONCURRENCY => {
+                    return Err((
+                        c.span(),
+                        format!("concurrency must be at most {MAX_CONCURRENCY}"),
+                    ));
+                }
+                c => at_least_one(c, "concurrency", base.concurrency)?,
+            },
             queue: at_least_one(self.queue, "queue", base.queue)?,
             max_wait: self.max_wait.map_or(base.max_wait, |d| d.0),
             costs: if self.costs.is_empty() {

@@ -133,7 +133,8 @@ impl Group {
     /// order, and returns the permit it holds while in flight. `front` puts it at the
     /// head of the queue (a request the upstream refused, retried). Refused when the
     /// queue is full, or once it has waited `max_wait` since `arrived`. Dropping the
-    /// future leaves the queue, and no slot is spent for it.
+    /// future leaves the queue, and no slot is spent for it, unless the head before it
+    /// had already released it (its slot counted) in the instant before.
     pub async fn admit(
         self: &Arc<Self>,
         cost: u32,

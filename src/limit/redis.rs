@@ -144,6 +144,8 @@ impl Redis {
     /// Connects lazily: tollgate starts even while Redis is down.
     pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Redis>, String> {
         let url = config.url.as_ref().ok_or("the redis backend needs a url")?;
+        // Errors name the URL without its password: they go to stderr and the logs.
+        let shown = redacted(&url.0);
         // Nagle's algorithm is on by default in redis-rs; every call here is a small
         // request waiting on a small answer, which it can only delay (no gain measured
         // with one call at a time; it matters when calls overlap).
@@ -151,10 +153,10 @@ impl Redis {
             .0
             .as_str()
             .into_connection_info()
-            .map_err(|e| format!("backend.url {:?}: {e}", url.0))?
+            .map_err(|e| format!("backend.url {shown:?}: {e}"))?
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
         let client =
-            redis::Client::open(info).map_err(|e| format!("backend.url {:?}: {e}", url.0))?;
+            redis::Client::open(info).map_err(|e| format!("backend.url {shown:?}: {e}"))?;
         let timeout = config.timeout.0;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
@@ -162,7 +164,7 @@ impl Redis {
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
         let conn = ConnectionManager::new_lazy_with_config(client, manager)
-            .map_err(|e| format!("backend.url {:?}: {e}", url.0))?;
+            .map_err(|e| format!("backend.url {shown:?}: {e}"))?;
         let up_gauge = Gauge::default();
         up_gauge.set(1);
         metrics.register(|registry| {
@@ -421,6 +423,20 @@ impl Drop for Lease {
     }
 }
 
+/// `url` with any password in its userinfo replaced by `***`.
+fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+            None => format!("{scheme}://***@{host}"),
+        },
+        None => url.to_string(),
+    }
+}
+
 /// A name for this replica that is unique across machines and restarts.
 fn replica_id() -> String {
     use std::hash::{BuildHasher, Hasher};
@@ -429,4 +445,22 @@ fn replica_id() -> String {
         .build_hasher()
         .finish();
     format!("{}-{}-{random:x}", host.trim(), std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_is_shown_without_its_password() {
+        let cases = [
+            ("redis://:secret@redis:6379/0", "redis://:***@redis:6379/0"),
+            ("rediss://app:secret@redis/1", "rediss://app:***@redis/1"),
+            ("redis://token@redis", "redis://***@redis"),
+            ("redis://redis:6379", "redis://redis:6379"),
+        ];
+        for (url, shown) in cases {
+            assert_eq!(redacted(url), shown);
+        }
+    }
 }

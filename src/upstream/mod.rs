@@ -109,6 +109,11 @@ impl Dialer {
     /// that resolves to a public and a private address is not trusted with either.
     pub async fn dial(&self, host: &str, port: u16) -> Result<TcpStream, ProxyError> {
         let denied = |denial| ProxyError::DestinationDenied { denial };
+        // Whatever spelling reached here (a route's upstream as configured, a forward
+        // URI that kept its name's case), the policy judges the canonical host.
+        let host = &crate::host::canonical(host).ok_or_else(|| {
+            ProxyError::BadRequest(format!("{host:?} is not a host name or address"))
+        })?;
         self.policy.check_host(host).map_err(denied)?;
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let authority = format!("{host}:{port}");
