@@ -12,7 +12,7 @@
 //! counted at its slot (`limit::rate::SLOT_CREDIT`), and when the next wakes on time the
 //! upstream sees the two less than one interval apart, which a strict upstream limiter
 //! refuses. At 50/s, 31 % of the gaps came under 0.99 of the interval with tokio's timer
-//! alone, against 4 % with this sleep (BENCHMARKS.md).
+//! alone, against 4 % with this sleep.
 //!
 //! Here the deadline is also armed on a Linux `timerfd` (a kernel high-resolution timer)
 //! watched by the runtime's reactor, and the sleep ends when either fires. Neither ends

@@ -105,7 +105,7 @@ fn bind(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
 /// response by one thread, and so is the upstream connection its request uses (the
 /// pool keeps connections per thread): nothing of one exchange wakes another thread.
 /// On one multi-threaded runtime, work stealing moved the halves of an exchange across
-/// threads and cost ≈ 30 % more CPU per forwarded request (BENCHMARKS.md). Groups,
+/// threads and cost ≈ 30 % more CPU per forwarded request. Groups,
 /// metrics and the Redis store are shared, so every limit holds across threads.
 pub async fn run(
     sockets: impl Into<Sockets>,
