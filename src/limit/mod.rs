@@ -45,6 +45,9 @@ const FIRST_SWEEP: usize = 1024;
 pub struct Limits {
     by_name: Map<Arc<Group>>,
     by_host: Map<Arc<Group>>,
+    /// Hosts listed with a port (`host:port`), matched before `by_host`; apart so that
+    /// a request's `host:port` is only spelled out when some `[[limit]]` lists one.
+    by_host_port: Map<Arc<Group>>,
     /// `(".domain", group)`, longest first so the most specific pattern wins.
     by_suffix: Vec<(String, Arc<Group>)>,
     defaults: GroupSettings,
@@ -67,6 +70,7 @@ impl Limits {
     pub fn new(config: &Config, metrics: Arc<Metrics>, store: Store) -> Limits {
         let mut by_name = Map::default();
         let mut by_host = Map::default();
+        let mut by_host_port = Map::default();
         let mut by_suffix = Vec::new();
         for limit in &config.limits {
             let group = Arc::new(Group::new(
@@ -77,6 +81,9 @@ impl Limits {
             ));
             for host in &limit.hosts {
                 match host {
+                    HostPattern::Exact(h) if h.contains(':') && !h.ends_with(']') => {
+                        by_host_port.insert(h.clone(), group.clone())
+                    }
                     HostPattern::Exact(h) => by_host.insert(h.clone(), group.clone()),
                     HostPattern::Suffix(s) => {
                         by_suffix.push((s.clone(), group.clone()));
@@ -90,6 +97,7 @@ impl Limits {
         Limits {
             by_name,
             by_host,
+            by_host_port,
             by_suffix,
             defaults: config.defaults.clone(),
             dynamic: RwLock::new(Dynamic {
@@ -108,8 +116,10 @@ impl Limits {
         if let Some(group) = named.and_then(|name| self.by_name.get(name)) {
             return group.clone();
         }
-        if let Some(group) = self.by_host.get(&format!("{host}:{port}")) {
-            return group.clone();
+        if !self.by_host_port.is_empty() {
+            if let Some(group) = self.by_host_port.get(&format!("{host}:{port}")) {
+                return group.clone();
+            }
         }
         if let Some(group) = self.by_host.get(host) {
             return group.clone();

@@ -66,16 +66,6 @@ impl Rates {
             .collect()
     }
 
-    /// The rates this process enforces: all of them, or `share` of them (a replica's
-    /// part while the shared store is down).
-    fn enforced(&self, share: f64) -> Cow<'_, [Gcra]> {
-        if share >= 1.0 {
-            Cow::Borrowed(&self.in_force)
-        } else {
-            Cow::Owned(self.in_force.iter().map(|r| r.scaled(share)).collect())
-        }
-    }
-
     fn since_epoch(&self, at: Instant) -> Duration {
         at.saturating_duration_since(self.epoch)
     }
@@ -83,14 +73,14 @@ impl Rates {
     /// The earliest time a request may leave that is ready at `ready`.
     pub fn earliest(&self, share: f64, ready: Instant) -> Instant {
         let since = self.since_epoch(ready);
-        self.epoch + gcra::earliest_all(&self.enforced(share), &self.tats, since)
+        self.epoch + gcra::earliest_all(&enforced(&self.in_force, share), &self.tats, since)
     }
 
     /// Records the departure at `now` of a request of `cost` that was ready at `ready`,
     /// counted at its slot (see [`SLOT_CREDIT`]); returns that slot.
     pub fn depart(&mut self, share: f64, ready: Instant, now: Instant, cost: u32) -> Instant {
         let since_now = self.since_epoch(now);
-        let rates = self.enforced(share).into_owned();
+        let rates = enforced(&self.in_force, share);
         let slot = gcra::earliest_all(&rates, &self.tats, self.since_epoch(ready))
             .clamp(since_now.saturating_sub(SLOT_CREDIT), since_now);
         gcra::advance_all(&rates, &mut self.tats, slot, cost);
@@ -134,6 +124,17 @@ impl Rates {
     pub fn is_idle(&self, now: Instant) -> bool {
         let since = self.since_epoch(now);
         self.tats.iter().all(|tat| *tat <= since)
+    }
+}
+
+/// The rates this process enforces: all of `rates`, or `share` of them (a replica's
+/// part while the shared store is down). Borrowed in the common case: every departure
+/// asks.
+fn enforced(rates: &[Gcra], share: f64) -> Cow<'_, [Gcra]> {
+    if share >= 1.0 {
+        Cow::Borrowed(rates)
+    } else {
+        Cow::Owned(rates.iter().map(|r| r.scaled(share)).collect())
     }
 }
 

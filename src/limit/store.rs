@@ -45,15 +45,6 @@ impl Store {
         }
     }
 
-    /// Whether the local rates are the budget (the memory store, or Redis down): then
-    /// the head may also release the requests behind it that are due.
-    pub fn is_local(&self) -> bool {
-        match self {
-            Store::Memory => true,
-            Store::Redis(redis) => !redis.is_up(),
-        }
-    }
-
     /// The slot of a request of `cost` at the head of `group`'s queue, asked at `now`.
     pub async fn book(&self, group: &Group, cost: u32, now: Instant) -> Result<Slot, Refusal> {
         if let Store::Redis(redis) = self {
