@@ -136,6 +136,9 @@ pub enum ProxyError {
         /// The group's name.
         group: String,
     },
+    /// The request was still queued when shutdown's grace ran out; nothing was sent.
+    #[error("shutting down")]
+    ShuttingDown,
     /// The upstream broke the exchange (closed early, spoke bad HTTP, ...).
     #[error("{authority} failed: {reason}")]
     Upstream {
@@ -176,7 +179,7 @@ impl ProxyError {
             Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
             ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            QueueFull { .. } | QueueTimeout { .. } | BackendDown { .. } => {
+            QueueFull { .. } | QueueTimeout { .. } | BackendDown { .. } | ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
         }
@@ -204,7 +207,7 @@ impl ProxyError {
             // RFC 9209 has no queue types: the request was denied by tollgate's own
             // policy, and `details` says which bound.
             QueueFull { .. } | QueueTimeout { .. } => "http_request_denied",
-            BackendDown { .. } => "proxy_internal_error",
+            BackendDown { .. } | ShuttingDown => "proxy_internal_error",
         }
     }
 
@@ -236,6 +239,8 @@ impl ProxyError {
             | ProxyError::QueueTimeout { retry_after, .. } => Some(*retry_after),
             // The probe looks twice a second; a second is an honest guess.
             ProxyError::BackendDown { .. } => Some(Duration::from_secs(1)),
+            // Another instance, or this one restarted, is expected within seconds.
+            ProxyError::ShuttingDown => Some(Duration::from_secs(1)),
             _ => None,
         }
     }
@@ -265,6 +270,10 @@ impl ProxyError {
                 header::PROXY_AUTHENTICATE,
                 HeaderValue::from_static("Basic realm=\"tollgate\""),
             );
+        }
+        if matches!(self, ProxyError::ShuttingDown) {
+            // HTTP/1 only (hyper drops it from HTTP/2 answers, where GOAWAY says it).
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

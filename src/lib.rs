@@ -20,7 +20,8 @@
 //! * [`pushback`] — judges the upstream's answer: 429/`Retry-After` and rate-limit
 //!   headers ([`retry_after`], [`ratelimit_headers`]) pause the group, and refused
 //!   requests are replayed;
-//! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209).
+//! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209);
+//! * [`shutdown`] — queued requests answered `503` once the grace is over, and counts.
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
@@ -48,5 +49,6 @@ pub mod pushback;
 pub mod ratelimit_headers;
 pub mod retry_after;
 pub mod server;
+pub mod shutdown;
 pub mod tunnel;
 pub mod upstream;

@@ -36,6 +36,7 @@ use crate::error::ProxyError;
 use crate::limit::{Group, Limits, Permit, Redis, Store};
 use crate::metrics::Metrics;
 use crate::pushback::{self, Replayable};
+use crate::shutdown::Shutdown;
 use crate::tunnel;
 use crate::upstream::{Dialer, Upstream};
 
@@ -52,6 +53,7 @@ pub struct Proxy {
     tunnels: TaskTracker,
     /// Cancelled when shutdown's grace is over: open tunnels close.
     cut: CancellationToken,
+    shutdown: Shutdown,
 }
 
 impl Proxy {
@@ -92,6 +94,7 @@ impl Proxy {
             dialer,
             tunnels: TaskTracker::new(),
             cut: CancellationToken::new(),
+            shutdown: Shutdown::default(),
         })
     }
 
@@ -158,7 +161,7 @@ impl Proxy {
         mut to: Box<Classified>,
         arrived: Instant,
     ) -> Result<Response<Body>, ProxyError> {
-        let permit = admit(&to.group, to.cost, arrived, false).await?;
+        let permit = self.admit(&to.group, to.cost, arrived, false).await?;
         let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
         let req = to.request.attempt(0);
         let open = Box::pin(tunnel::open(dialer, tunnels, cut, &to.target, req, permit));
@@ -181,7 +184,7 @@ impl Proxy {
         request.read_body(group.settings.max_replay_body).await?;
         let mut attempt = 0;
         loop {
-            let permit = admit(group, *cost, arrived, attempt > 0).await?;
+            let permit = self.admit(group, *cost, arrived, attempt > 0).await?;
             let send = Box::pin(self.upstream.send(request.attempt(attempt), permit));
             let response = send.await?;
             let replay = request.can_replay();
@@ -218,6 +221,34 @@ impl Proxy {
     pub fn cut_tunnels(&self) {
         self.cut.cancel();
     }
+
+    /// Shutdown's state and counts.
+    pub fn shutdown(&self) -> &Shutdown {
+        &self.shutdown
+    }
+
+    /// Waits in `group` for a request of `cost` (`retry`: at the head of the queue),
+    /// unless shutdown gives up on the queue first.
+    async fn admit(
+        &self,
+        group: &Arc<Group>,
+        cost: u32,
+        arrived: Instant,
+        retry: bool,
+    ) -> Result<Permit, ProxyError> {
+        let wait = Box::pin(group.admit(cost, arrived, retry));
+        let admitted = tokio::select! {
+            admitted = wait => admitted.map_err(|refusal| ProxyError::refused(group, refusal)),
+            () = self.shutdown.given_up() => {
+                self.shutdown.answered();
+                return Err(ProxyError::ShuttingDown);
+            }
+        };
+        if admitted.is_ok() {
+            self.shutdown.sent();
+        }
+        admitted
+    }
 }
 
 /// A request, classified.
@@ -226,16 +257,4 @@ struct Classified {
     target: Target,
     group: Arc<Group>,
     cost: u32,
-}
-
-/// Waits in `group` for a request of `cost` (`retry`: at the head of the queue).
-async fn admit(
-    group: &Arc<Group>,
-    cost: u32,
-    arrived: Instant,
-    retry: bool,
-) -> Result<Permit, ProxyError> {
-    let wait = Box::pin(group.admit(cost, arrived, retry));
-    wait.await
-        .map_err(|refusal| ProxyError::refused(group, refusal))
 }

@@ -9,7 +9,8 @@
 //!
 //! Shutdown: stop accepting, ask every connection to finish the request in hand and
 //! close (HTTP/1 closes after the response, HTTP/2 sends GOAWAY), wait for them and the
-//! open tunnels for up to `shutdown_grace`, then close whatever is left.
+//! open tunnels for up to `shutdown_grace`; then answer every request still queued
+//! `503` ([`crate::shutdown`]), and close whatever is left.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -36,6 +37,11 @@ use crate::tunnel::KeepWhileOpen;
 /// At shutdown, how long a new connection that has sent nothing yet may take to show
 /// its first bytes before it is closed (a request already under way is served).
 const FIRST_BYTES_AT_SHUTDOWN: Duration = Duration::from_millis(250);
+
+/// Once shutdown's grace is over, how long the queued requests' `503` answers may take
+/// to go out before every connection still open is closed: twice this is how far past
+/// the grace a shutdown may run.
+const ANSWER_AT_SHUTDOWN: Duration = Duration::from_millis(500);
 
 /// How often an HTTP/2 client is pinged to tell a live idle connection from a dead one.
 const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
@@ -171,7 +177,7 @@ pub async fn run(
         // Every thread stops accepting at once, and drains on its own.
         stop.cancel();
     };
-    serve(sockets.first, proxy, &settings, shutdown).await;
+    serve(sockets.first, proxy.clone(), &settings, shutdown).await;
     stop.cancel();
     for (_, done) in &mut others {
         let _ = done.await;
@@ -180,6 +186,13 @@ pub async fn run(
     for (handle, _) in others {
         let _ = handle.join();
     }
+    let tally = proxy.shutdown().tally();
+    tracing::info!(
+        sent = tally.sent,
+        answered_503 = tally.answered_503,
+        cut = tally.cut,
+        "shut down"
+    );
     Ok(())
 }
 
@@ -269,6 +282,7 @@ async fn serve(
 
     let grace = settings.grace;
     let thread = std::thread::current();
+    proxy.shutdown().begin();
     tracing::info!(
         thread = thread.name().unwrap_or("main"),
         connections = connections.len(),
@@ -278,24 +292,29 @@ async fn serve(
     drain.cancel();
     connections.close();
     proxy.tunnels().close();
-    let drained = async {
+    let drained = || async {
         connections.wait().await;
         proxy.tunnels().wait().await;
     };
-    if tokio::time::timeout(grace, drained).await.is_err() {
+    if tokio::time::timeout(grace, drained()).await.is_err() {
+        // Requests still queued are answered 503 and their connections close; those
+        // answers are small and local, so they get a moment before the cut.
+        proxy.shutdown().give_up_queued();
+        let _ = tokio::time::timeout(ANSWER_AT_SHUTDOWN, drained()).await;
+    }
+    if !connections.is_empty() || !proxy.tunnels().is_empty() {
         tracing::warn!(
             connections = connections.len(),
             tunnels = proxy.tunnels().len(),
             "shutdown_grace elapsed; closing what is still open"
         );
+        proxy
+            .shutdown()
+            .cut(connections.len() + proxy.tunnels().len());
         cut.cancel();
         proxy.cut_tunnels();
         // The cut tasks end at their next poll; let them, so nothing outlives `run`.
-        let _ = tokio::time::timeout(Duration::from_secs(1), async {
-            connections.wait().await;
-            proxy.tunnels().wait().await;
-        })
-        .await;
+        let _ = tokio::time::timeout(ANSWER_AT_SHUTDOWN, drained()).await;
     }
     tick.abort();
 }
