@@ -19,7 +19,7 @@
 //! * [`upstream`] — pooled hyper connections over rustls, timeouts, hop-by-hop headers;
 //! * [`pushback`] — judges the upstream's answer: 429/`Retry-After` and rate-limit
 //!   headers ([`retry_after`], [`ratelimit_headers`]) pause the group, and refused
-//!   requests are replayed;
+//!   requests are replayed ([`replay`] says which may be);
 //! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209);
 //! * [`shutdown`] — queued requests answered `503` once the grace is over, and counts.
 //!
@@ -47,6 +47,7 @@ pub mod precise_sleep;
 pub mod proxy;
 pub mod pushback;
 pub mod ratelimit_headers;
+pub mod replay;
 pub mod retry_after;
 pub mod server;
 pub mod shutdown;

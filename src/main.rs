@@ -98,13 +98,13 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
             return ExitCode::from(EXIT_BAD_CONFIG);
         }
     };
+    // The files and the Redis URL the config names, checked before anything listens;
+    // without side effects (nothing is dialled), so check-config may run anywhere.
+    if let Err(e) = config.check_external() {
+        eprintln!("tollgate: {e}");
+        return ExitCode::from(EXIT_BAD_CONFIG);
+    }
     if let Some(Command::CheckConfig { file }) = &cli.command {
-        // Settings that need I/O (ca_file, the Redis URL) are checked by building the
-        // proxy; inside the runtime, which the Redis client needs.
-        if let Err(e) = tollgate::proxy::Proxy::new(&config) {
-            eprintln!("tollgate: {e}");
-            return ExitCode::from(EXIT_BAD_CONFIG);
-        }
         println!("{}: ok", file.display());
         return ExitCode::SUCCESS;
     }

@@ -148,6 +148,7 @@ impl Proxy {
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
         Ok(Classified {
+            method: req.method().clone(),
             request: Replayable::new(req),
             target,
             group,
@@ -176,6 +177,7 @@ impl Proxy {
         arrived: Instant,
     ) -> Result<Response<Body>, ProxyError> {
         let Classified {
+            method,
             request,
             group,
             cost,
@@ -187,7 +189,8 @@ impl Proxy {
             let permit = self.admit(group, *cost, arrived, attempt > 0).await?;
             let send = Box::pin(self.upstream.send(request.attempt(attempt), permit));
             let response = send.await?;
-            let replay = request.can_replay();
+            let replay =
+                request.can_replay() && crate::replay::may_replay(method, response.status());
             match pushback::after_answer(group, arrived, replay, attempt, response) {
                 ControlFlow::Break(response) => return Ok(response),
                 ControlFlow::Continue(()) => attempt += 1,
@@ -253,6 +256,7 @@ impl Proxy {
 
 /// A request, classified.
 struct Classified {
+    method: http::Method,
     request: Replayable,
     target: Target,
     group: Arc<Group>,

@@ -19,8 +19,11 @@ use std::path::Path;
 use serde::Deserialize;
 use toml::Spanned;
 
+mod external;
 mod tables;
 mod values;
+
+pub use external::{Place, Places};
 
 pub use tables::{
     AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, LimitGroup,
@@ -49,6 +52,8 @@ pub struct Config {
     pub backend: BackendConfig,
     /// Where requests may go, and who may send them.
     pub access: AccessConfig,
+    /// Where the settings naming files and servers were written, for their errors.
+    pub places: Places,
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -108,8 +113,11 @@ impl Config {
         };
         let raw: RawConfig =
             toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
-        raw.check()
-            .map_err(|(span, message)| at(Some(span), message))
+        let mut config = raw
+            .check()
+            .map_err(|(span, message)| at(Some(span), message))?;
+        config.places = Places::find(text, file);
+        Ok(config)
     }
 }
 
@@ -148,7 +156,7 @@ struct RawSettings {
     #[serde(default)]
     costs: Vec<Spanned<CostRule>>,
     max_replay_body: Option<ByteSize>,
-    retry_statuses: Option<Vec<StatusCode>>,
+    retry_statuses: Option<Vec<Spanned<StatusCode>>>,
     max_retries: Option<u32>,
     max_pause: Option<Dur>,
     adaptive: Option<Spanned<bool>>,
@@ -160,24 +168,49 @@ type Located = (Range<usize>, String);
 
 /// The most requests of one group that may be in flight: far beyond any upstream's
 /// limit, and within what tokio's semaphore can count.
-const MAX_CONCURRENCY: usize = 1 << 24;
+pub const MAX_CONCURRENCY: usize = 1 << 24;
+
+/// The most requests one group may queue: each holds its client's connection, so a
+/// million is already beyond what one process can hold open.
+pub const MAX_QUEUE: usize = 1_000_000;
+
+/// The largest `burst`: requests let out back to back after idle time.
+pub const MAX_BURST: u32 = 1_000_000;
+
+/// `key` within `1..=max`, or its fallback when not set.
+fn within<T: Copy + PartialOrd + From<u8> + std::fmt::Display>(
+    value: Option<Spanned<T>>,
+    key: &str,
+    max: T,
+    fallback: T,
+) -> Result<T, Located> {
+    match value {
+        Some(v) if *v.get_ref() < T::from(1) || *v.get_ref() > max => {
+            Err((v.span(), format!("{key} must be between 1 and {max}")))
+        }
+        Some(v) => Ok(v.into_inner()),
+        None => Ok(fallback),
+    }
+}
+
+/// Upstream statuses that may mean "slow down, try again": errors only. A 2xx or 3xx in
+/// `retry_statuses` would replay requests the upstream has carried out.
+fn retry_statuses(statuses: Vec<Spanned<StatusCode>>) -> Result<Vec<u16>, Located> {
+    statuses
+        .into_iter()
+        .map(|s| match s.get_ref().0 {
+            code @ 400..=599 => Ok(code),
+            code => Err((
+                s.span(),
+                format!("retry_statuses may only hold 4xx and 5xx statuses, not {code}"),
+            )),
+        })
+        .collect()
+}
 
 impl RawSettings {
     /// These settings over `base`, checked.
     fn resolve(self, base: &GroupSettings) -> Result<GroupSettings, Located> {
-        fn at_least_one<T: Copy + PartialOrd + From<u8>>(
-            value: Option<Spanned<T>>,
-            key: &str,
-            fallback: T,
-        ) -> Result<T, Located> {
-            match value {
-                Some(v) if *v.get_ref() < T::from(1) => {
-                    Err((v.span(), format!("{key} must be at least 1")))
-                }
-                Some(v) => Ok(v.into_inner()),
-                None => Ok(fallback),
-            }
-        }
         for rule in &self.costs {
             if rule.get_ref().cost == 0 {
                 return Err((rule.span(), "cost must be at least 1".into()));
@@ -199,17 +232,14 @@ impl RawSettings {
         };
         Ok(GroupSettings {
             rates: self.rate.map_or_else(|| base.rates.clone(), |r| r.0),
-            burst: at_least_one(self.burst, "burst", base.burst)?,
-            concurrency: match self.concurrency {
-                Some(c) if *c.get_ref() > MAX_CONCURRENCY => {
-                    return Err((
-                        c.span(),
-                        format!("concurrency must be at most {MAX_CONCURRENCY}"),
-                    ));
-                }
-                c => at_least_one(c, "concurrency", base.concurrency)?,
-            },
-            queue: at_least_one(self.queue, "queue", base.queue)?,
+            burst: within(self.burst, "burst", MAX_BURST, base.burst)?,
+            concurrency: within(
+                self.concurrency,
+                "concurrency",
+                MAX_CONCURRENCY,
+                base.concurrency,
+            )?,
+            queue: within(self.queue, "queue", MAX_QUEUE, base.queue)?,
             max_wait: self.max_wait.map_or(base.max_wait, |d| d.0),
             costs: if self.costs.is_empty() {
                 base.costs.clone()
@@ -217,10 +247,10 @@ impl RawSettings {
                 self.costs.into_iter().map(Spanned::into_inner).collect()
             },
             max_replay_body: self.max_replay_body.map_or(base.max_replay_body, |b| b.0),
-            retry_statuses: self.retry_statuses.map_or_else(
-                || base.retry_statuses.clone(),
-                |s| s.into_iter().map(|c| c.0).collect(),
-            ),
+            retry_statuses: match self.retry_statuses {
+                Some(statuses) => retry_statuses(statuses)?,
+                None => base.retry_statuses.clone(),
+            },
             max_retries: self.max_retries.unwrap_or(base.max_retries),
             max_pause: self.max_pause.map_or(base.max_pause, |d| d.0),
             adaptive,
@@ -318,6 +348,7 @@ impl RawConfig {
             admin: self.admin,
             backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
             access: self.access,
+            places: Places::default(),
         })
     }
 }
@@ -449,7 +480,10 @@ mod tests {
         let e = err("[defaults]\nrate = \"10/fortnight\"\n");
         assert!(e.starts_with("t.toml:2:8: invalid rate"), "{e}");
         let e = err("[[limit]]\nname = \"a\"\nhosts = [\"x\"]\nburst = 0\n");
-        assert!(e.starts_with("t.toml:4:9: burst must be at least 1"), "{e}");
+        assert!(
+            e.starts_with("t.toml:4:9: burst must be between 1 and"),
+            "{e}"
+        );
         let e = err("[[limit]]\nname = \"a\"\nhosts = [\"x\"]\nrates = \"1/s\"\n");
         assert!(e.contains("unknown field `rates`"), "{e}");
         let e = err(
@@ -466,5 +500,88 @@ mod tests {
         );
         let e = err("[defaults]\nmax_replay_body = \"1 parsec\"\n");
         assert!(e.contains("invalid size"), "{e}");
+    }
+
+    /// Values that parse but make no sense are refused where they are written.
+    #[test]
+    fn absurd_values_are_refused_with_their_line() {
+        let cases = [
+            (
+                "[defaults]\nmax_wait = \"500000000000y\"\n",
+                "2:12:",
+                "longer than a year",
+            ),
+            (
+                "[defaults]\nmax_pause = \"366days\"\n",
+                "2:13:",
+                "longer than a year",
+            ),
+            (
+                "[proxy]\nshutdown_grace = \"2y\"\n",
+                "2:18:",
+                "longer than a year",
+            ),
+            (
+                "[proxy]\nconnect_timeout = \"0s\"\n",
+                "2:19:",
+                "timeout of 0",
+            ),
+            (
+                "[proxy]\nresponse_timeout = \"0ms\"\n",
+                "2:20:",
+                "timeout of 0",
+            ),
+            (
+                "[proxy]\nclient_header_timeout = \"0s\"\n",
+                "2:25:",
+                "timeout of 0",
+            ),
+            (
+                "[proxy]\nupstream_idle_timeout = \"0s\"\n",
+                "2:25:",
+                "timeout of 0",
+            ),
+            ("[backend]\ntimeout = \"0s\"\n", "2:11:", "timeout of 0"),
+            (
+                "[defaults]\nburst = 4294967295\n",
+                "2:9:",
+                "between 1 and 1000000",
+            ),
+            (
+                "[defaults]\nqueue = 1000001\n",
+                "2:9:",
+                "between 1 and 1000000",
+            ),
+            ("[defaults]\nqueue = 0\n", "2:9:", "between 1 and 1000000"),
+            (
+                "[defaults]\nconcurrency = 16777217\n",
+                "2:15:",
+                "between 1 and 16777216",
+            ),
+            (
+                "[defaults]\nretry_statuses = [429, 200]\n",
+                "2:24:",
+                "not 200",
+            ),
+            ("[defaults]\nretry_statuses = [304]\n", "2:19:", "not 304"),
+            (
+                "[defaults]\nrate = \"1/2y\"\n",
+                "2:8:",
+                "longer than a year",
+            ),
+        ];
+        for (text, at, says) in cases {
+            let e = err(text);
+            assert!(e.starts_with(&format!("t.toml:{at}")), "{text}: {e}");
+            assert!(e.contains(says), "{text}: {e}");
+        }
+        // The largest values are accepted.
+        let c = Config::parse(
+            "[defaults]\nmax_wait = \"365days\"\nburst = 1000000\nqueue = 1000000\n\
+             retry_statuses = [400, 599]\n",
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(c.defaults.queue, MAX_QUEUE);
     }
 }

@@ -23,16 +23,20 @@ pub struct ProxyConfig {
     /// Ports a CONNECT tunnel may reach.
     pub connect_ports: ConnectPorts,
     /// Longest time to resolve, connect and finish the TLS handshake with an upstream.
+    #[serde(deserialize_with = "super::values::timeout")]
     pub connect_timeout: Dur,
     /// Longest time from sending a request upstream to receiving its response head.
+    #[serde(deserialize_with = "super::values::timeout")]
     pub response_timeout: Dur,
     /// Longest time a client may take to send a request head; it is also how long a
     /// client connection with no request open is kept (HTTP/1.1 keep-alive, and HTTP/2,
     /// which gets a GOAWAY and is dropped after as long again if still idle). It never
     /// cuts a request or response body still under way, nor an open tunnel
     /// (`tests/timeouts.rs`).
+    #[serde(deserialize_with = "super::values::timeout")]
     pub client_header_timeout: Dur,
     /// How long an idle pooled connection to an upstream is kept for reuse.
+    #[serde(deserialize_with = "super::values::timeout")]
     pub upstream_idle_timeout: Dur,
     /// Extra PEM root certificates trusted for upstream TLS, beside the public web roots.
     pub ca_file: Option<PathBuf>,
@@ -183,6 +187,7 @@ pub struct BackendConfig {
     /// Prefix of every key tollgate writes.
     pub key_prefix: String,
     /// The longest a request waits for Redis before tollgate treats it as down.
+    #[serde(deserialize_with = "super::values::timeout")]
     pub timeout: Dur,
     /// What to do while Redis is unreachable.
     pub on_backend_error: OnBackendError,

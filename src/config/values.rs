@@ -64,6 +64,11 @@ impl std::str::FromStr for Rate {
                 "invalid rate {text:?}: the count and the period must be above zero"
             ));
         }
+        if period > MAX_DURATION {
+            return Err(format!(
+                "invalid rate {text:?}: the period is longer than a year"
+            ));
+        }
         if period / u32::try_from(limit).map_err(|_| bad())? < Duration::from_micros(1) {
             return Err(format!(
                 "invalid rate {text:?}: faster than one per microsecond"
@@ -116,15 +121,36 @@ impl Dur {
     }
 }
 
+/// The longest duration any setting takes: longer ones are typos, and added to a clock
+/// reading they could overflow it.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
+
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let text = String::deserialize(d)?;
-        humantime::parse_duration(text.trim()).map(Dur).map_err(|e| {
+        let dur = humantime::parse_duration(text.trim()).map_err(|e| {
             de::Error::custom(format!(
                 "invalid duration {text:?} ({e}): expected a number and a unit, e.g. \"250ms\", \"10s\", \"5m\""
             ))
-        })
+        })?;
+        if dur > MAX_DURATION {
+            return Err(de::Error::custom(format!(
+                "duration {text:?} is longer than a year, the longest any setting takes"
+            )));
+        }
+        Ok(Dur(dur))
     }
+}
+
+/// A [`Dur`] that must be more than zero: a timeout of zero would fail everything.
+pub(super) fn timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Dur, D::Error> {
+    let dur = Dur::deserialize(d)?;
+    if dur.0.is_zero() {
+        return Err(de::Error::custom(
+            "a timeout of 0 would fail every request: expected more than 0, e.g. \"10s\"",
+        ));
+    }
+    Ok(dur)
 }
 
 /// A byte size: a number of bytes, or a string like `"512KiB"`, `"1MiB"`, `"10MB"`.
