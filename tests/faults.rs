@@ -69,3 +69,146 @@ async fn a_post_is_replayed_after_429_and_503_with_retry_after() {
         proxy.shutdown().await;
     }
 }
+
+// ---------------------------------------------------------------------------------
+// Malformed upstream answers
+// ---------------------------------------------------------------------------------
+
+/// An upstream that answers every request on a connection with `answer`, verbatim,
+/// and counts its connections and the requests it read.
+struct RawUpstream {
+    addr: std::net::SocketAddr,
+    connections: Arc<AtomicUsize>,
+}
+
+impl RawUpstream {
+    async fn start(answer: &'static [u8]) -> RawUpstream {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counted = connections.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let mut chunk = [0u8; 4096];
+                        let Ok(n) = stream.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            if stream.write_all(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        RawUpstream { addr, connections }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_with_content_length_and_transfer_encoding_is_a_502() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let proxy = start_proxy("").await;
+    let authority = upstream.addr.to_string();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let get = format!(
+            "GET {} HTTP/1.1\r\nHost: {authority}\r\n\r\n",
+            upstream.url("/x")
+        );
+        answers.push(raw_request(proxy.addr, get.as_bytes()).await);
+    }
+    for resp in answers {
+        assert_eq!(resp.status, 502, "{resp:?}");
+        let ps = resp.header("proxy-status").unwrap_or_default();
+        assert!(
+            ps.starts_with("tollgate; error=http_protocol_error"),
+            "{ps}"
+        );
+    }
+    // Each request had a connection of its own: the first was discarded.
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 2);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_101_to_a_get_fails_only_its_own_http2_stream() {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let upgrading = RawUpstream::start(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+    )
+    .await;
+    let slow =
+        Upstream::start(|_| Reply::ok("fine").delay(std::time::Duration::from_millis(300))).await;
+    let proxy = start_proxy(&format!(
+        "[[route]]\nprefix = \"/ok/\"\nupstream = \"{}\"\n\
+         [[route]]\nprefix = \"/ws/\"\nupstream = \"{}\"\n",
+        slow.url("/"),
+        upgrading.url("/")
+    ))
+    .await;
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let base = format!("http://{}", proxy.addr);
+    let urls = [
+        format!("{base}/ok/a"),
+        format!("{base}/ws/x"),
+        format!("{base}/ok/b"),
+    ];
+    let streams: Vec<_> = urls
+        .into_iter()
+        .map(|url| {
+            let mut send = send.clone();
+            tokio::spawn(async move {
+                let req = http::Request::get(url).body(Empty::new()).unwrap();
+                let resp = send
+                    .send_request(req)
+                    .await
+                    .expect("an answer on the stream");
+                let (head, body) = resp.into_parts();
+                let body = body.collect().await.expect("the whole body").to_bytes();
+                (head.status.as_u16(), head.headers, body)
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for stream in streams {
+        answers.push(stream.await.unwrap());
+    }
+    assert_eq!((answers[0].0, &answers[0].2[..]), (200, &b"fine"[..]));
+    assert_eq!((answers[2].0, &answers[2].2[..]), (200, &b"fine"[..]));
+    assert_eq!(answers[1].0, 502);
+    let ps = answers[1].1["proxy-status"].to_str().unwrap();
+    assert!(
+        ps.starts_with("tollgate; error=http_protocol_error"),
+        "{ps}"
+    );
+    assert_eq!(slow.paths(), ["/a", "/b"]);
+    proxy.shutdown().await;
+}

@@ -19,7 +19,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, Scheme};
-use http::{Request, Response, Uri, Version};
+use http::{Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tower::Service;
@@ -303,14 +303,48 @@ impl Upstream {
                     authority: authority.clone(),
                     after,
                 })?
-                .map_err(|e| upstream_error(e.as_ref(), authority))?;
+                .map_err(|e| upstream_error(e.as_ref(), authority.clone()))?;
             let (mut parts, body) = response.into_parts();
+            if let Some(reason) = malformed(parts.status, &parts.headers) {
+                // Dropping the body unread also drops the connection: after an answer
+                // like this one, where the next one starts is not known.
+                drop(body);
+                return Err(ProxyError::Upstream {
+                    authority,
+                    reason: format!("malformed response: {reason}"),
+                });
+            }
             strip_hop_by_hop(&mut parts.headers);
             add_via(&mut parts.headers, parts.version);
             parts.version = Version::HTTP_11;
             Ok(Response::from_parts(parts, body))
         })
     }
+}
+
+/// Why an upstream's response head cannot be passed on, if it cannot: it would be
+/// framed two ways (RFC 9112 §6.3 calls that a smuggling risk), or it is an upgrade
+/// tollgate never asked for (upgrade headers are hop-by-hop: none goes upstream), which
+/// an HTTP/2 client's connection cannot even carry.
+pub fn malformed(status: StatusCode, headers: &HeaderMap) -> Option<&'static str> {
+    if status.is_informational() {
+        return Some("an interim (1xx) status as the final answer, or an unrequested upgrade");
+    }
+    let lengths = headers.get_all(header::CONTENT_LENGTH);
+    if lengths.iter().next().is_some() && headers.contains_key(header::TRANSFER_ENCODING) {
+        return Some("both Content-Length and Transfer-Encoding");
+    }
+    let mut values = lengths
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(|v| v.trim_ascii());
+    if let Some(first) = values.next() {
+        let number = |v: &[u8]| !v.is_empty() && v.iter().all(u8::is_ascii_digit);
+        if !number(first) || values.any(|v| v != first) {
+            return Some("an invalid or conflicting Content-Length");
+        }
+    }
+    None
 }
 
 /// The causes of an error, outermost first. hyper-rustls wraps rustls errors in
@@ -378,6 +412,37 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn answers_framed_two_ways_or_upgraded_are_malformed() {
+        let head = |status: u16, pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (n, v) in pairs {
+                h.append(*n, HeaderValue::from_static(v));
+            }
+            malformed(StatusCode::from_u16(status).unwrap(), &h)
+        };
+        assert_eq!(head(200, &[("content-length", "5")]), None);
+        assert_eq!(head(200, &[("transfer-encoding", "chunked")]), None);
+        assert_eq!(
+            head(200, &[("content-length", "5"), ("content-length", "5")]),
+            None
+        );
+        assert_eq!(head(204, &[]), None);
+        let bad = [
+            head(101, &[("upgrade", "websocket")]),
+            head(
+                200,
+                &[("content-length", "5"), ("transfer-encoding", "chunked")],
+            ),
+            head(200, &[("content-length", "5"), ("content-length", "6")]),
+            head(200, &[("content-length", "5, 6")]),
+            head(200, &[("content-length", "-1")]),
+        ];
+        for (i, verdict) in bad.iter().enumerate() {
+            assert!(verdict.is_some(), "case {i}");
+        }
     }
 
     #[test]
