@@ -129,3 +129,146 @@ where
         self.inner.size_hint()
     }
 }
+
+/// A body that made no progress for its idle limit (`[proxy] body_idle_timeout`).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the body made no progress for {} (body_idle_timeout)", humantime::format_duration(*.0))]
+pub struct BodyIdle(pub std::time::Duration);
+
+pin_project_lite::pin_project! {
+    /// A body that fails with [`BodyIdle`] once it has kept its reader waiting for
+    /// `limit` without a frame. Only a wait counts: the time nobody asks for the next
+    /// frame (the request queued, a reader that is slow itself) is not the body's.
+    pub struct IdleLimit<B> {
+        #[pin]
+        inner: B,
+        limit: std::time::Duration,
+        // Since when the reader has waited, as a timer; boxed, and made only for a
+        // body that ever keeps its reader waiting.
+        waiting: Option<Pin<Box<tokio::time::Sleep>>>,
+        stalled: bool,
+    }
+}
+
+impl<B> IdleLimit<B> {
+    /// `inner`, failing after `limit` without progress.
+    pub fn new(inner: B, limit: std::time::Duration) -> Self {
+        IdleLimit {
+            inner,
+            limit,
+            waiting: None,
+            stalled: false,
+        }
+    }
+}
+
+impl<B> http_body::Body for IdleLimit<B>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(frame) => {
+                *this.stalled = false;
+                Poll::Ready(frame.map(|result| result.map_err(Into::into)))
+            }
+            Poll::Pending => {
+                if !*this.stalled {
+                    *this.stalled = true;
+                    let deadline = tokio::time::Instant::now() + *this.limit;
+                    match this.waiting {
+                        Some(sleep) => sleep.as_mut().reset(deadline),
+                        None => *this.waiting = Some(Box::pin(tokio::time::sleep_until(deadline))),
+                    }
+                }
+                let sleep = this.waiting.as_mut().expect("armed above");
+                match std::future::Future::poll(sleep.as_mut(), cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(BodyIdle(*this.limit).into()))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// `body`, boxed, failing after `limit` without progress unless it is already empty.
+pub fn idle_limited<B>(body: B, limit: std::time::Duration) -> Body
+where
+    B: http_body::Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
+{
+    if body.is_end_stream() {
+        boxed(body)
+    } else {
+        IdleLimit::new(body, limit).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A body that sends one frame, then nothing until the channel closes.
+    fn stalling() -> (tokio::sync::mpsc::Sender<Bytes>, Body) {
+        let (send, recv) = tokio::sync::mpsc::channel::<Bytes>(1);
+        let stream = futures_util::stream::unfold(recv, |mut recv| async move {
+            recv.recv()
+                .await
+                .map(|b| (Ok::<_, BoxError>(Frame::data(b)), recv))
+        });
+        (send, boxed(http_body_util::StreamBody::new(stream)))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_keeps_its_reader_waiting_fails_after_the_limit() {
+        let (send, body) = stalling();
+        let mut body = IdleLimit::new(body, Duration::from_secs(60));
+        send.send(Bytes::from_static(b"a")).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        // Not read for an hour: not the body's fault.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        send.send(Bytes::from_static(b"b")).await.unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        // Then it makes no progress while read: cut at 60 s, not before.
+        let started = tokio::time::Instant::now();
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert!(err.downcast_ref::<BodyIdle>().is_some(), "{err}");
+        assert_eq!(started.elapsed(), Duration::from_secs(60));
+        drop(send);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn progress_restarts_the_clock() {
+        let (send, body) = stalling();
+        let mut body = IdleLimit::new(body, Duration::from_secs(60));
+        let feeder = tokio::spawn(async move {
+            for _ in 0..5 {
+                tokio::time::sleep(Duration::from_secs(50)).await;
+                send.send(Bytes::from_static(b"x")).await.unwrap();
+            }
+        });
+        for _ in 0..5 {
+            assert!(body.frame().await.unwrap().is_ok());
+        }
+        feeder.await.unwrap();
+        assert!(body.frame().await.is_none());
+    }
+}

@@ -136,6 +136,12 @@ pub enum ProxyError {
         /// The group's name.
         group: String,
     },
+    /// The client's request body made no progress for `body_idle_timeout`.
+    #[error("the request body made no progress for {} (body_idle_timeout)", humantime::format_duration(*.after))]
+    RequestBodyIdle {
+        /// The configured limit.
+        after: Duration,
+    },
     /// The request was still queued when shutdown's grace ran out; nothing was sent.
     #[error("shutting down")]
     ShuttingDown,
@@ -170,6 +176,7 @@ impl ProxyError {
         use ProxyError::*;
         match self {
             BadRequest(_) => StatusCode::BAD_REQUEST,
+            RequestBodyIdle { .. } => StatusCode::REQUEST_TIMEOUT,
             NoRoute { .. } => StatusCode::NOT_FOUND,
             PortNotAllowed { .. } | DestinationDenied { .. } | ClientDenied { .. } => {
                 StatusCode::FORBIDDEN
@@ -189,7 +196,7 @@ impl ProxyError {
     pub fn proxy_status_error(&self) -> &'static str {
         use ProxyError::*;
         match self {
-            BadRequest(_) => "http_request_error",
+            BadRequest(_) | RequestBodyIdle { .. } => "http_request_error",
             NoRoute { .. } => "destination_not_found",
             PortNotAllowed { .. } | ProxyAuthRequired | ClientDenied { .. } => {
                 "http_request_denied"
@@ -242,6 +249,14 @@ impl ProxyError {
             // Another instance, or this one restarted, is expected within seconds.
             ProxyError::ShuttingDown => Some(Duration::from_secs(1)),
             _ => None,
+        }
+    }
+
+    /// The error for a request body that failed with `error`.
+    pub fn request_body(error: &crate::body::BoxError) -> ProxyError {
+        match error.downcast_ref::<crate::body::BodyIdle>() {
+            Some(idle) => ProxyError::RequestBodyIdle { after: idle.0 },
+            None => ProxyError::BadRequest(format!("reading the request body failed: {error}")),
         }
     }
 

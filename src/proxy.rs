@@ -54,6 +54,8 @@ pub struct Proxy {
     /// Cancelled when shutdown's grace is over: open tunnels close.
     cut: CancellationToken,
     shutdown: Shutdown,
+    /// `body_idle_timeout`, for request bodies.
+    body_idle: std::time::Duration,
 }
 
 impl Proxy {
@@ -95,6 +97,7 @@ impl Proxy {
             tunnels: TaskTracker::new(),
             cut: CancellationToken::new(),
             shutdown: Shutdown::default(),
+            body_idle: config.proxy.body_idle_timeout.0,
         })
     }
 
@@ -111,7 +114,11 @@ impl Proxy {
         client: SocketAddr,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
-        let req = req.map(body::boxed);
+        // A CONNECT's body is its tunnel, which may idle as long as it likes.
+        let req = match req.method() == http::Method::CONNECT {
+            true => req.map(body::boxed),
+            false => req.map(|b| body::idle_limited(b, self.body_idle)),
+        };
         // 0. Who asks, and whether it came round again (a password is checked below).
         let checked = self.access.check(client, req.headers());
         let classified = self.classify(req, local).map(Box::new);

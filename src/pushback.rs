@@ -131,9 +131,7 @@ impl Replayable {
         let (parts, body) = req.take().expect("read once").into_parts();
         // Boxed: few requests have a body, and this state would size every one's future.
         let read = Box::pin(body::read_up_to(body, limit));
-        let read = read
-            .await
-            .map_err(|e| ProxyError::BadRequest(format!("reading the request body failed: {e}")))?;
+        let read = read.await.map_err(|e| ProxyError::request_body(&e))?;
         *self = match read {
             Buffered::Complete(bytes) => Replayable::Buffered {
                 parts: owned_head(parts),

@@ -212,3 +212,101 @@ async fn a_101_to_a_get_fails_only_its_own_http2_stream() {
     assert_eq!(slow.paths(), ["/a", "/b"]);
     proxy.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------
+// Stalled bodies (body_idle_timeout)
+// ---------------------------------------------------------------------------------
+
+/// One group of `concurrency = 1` for every loopback upstream, with a short
+/// `body_idle_timeout`.
+fn one_at_a_time(extra: &str) -> String {
+    format!(
+        "[proxy]\nbody_idle_timeout = \"300ms\"\n\
+         [[limit]]\nname = \"one\"\nhosts = [\"127.0.0.1\"]\nconcurrency = 1\n{extra}"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_response_body_is_cut_and_frees_the_permit() {
+    use tokio::io::AsyncReadExt;
+    let stalled =
+        RawUpstream::start(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial").await;
+    let fine = Upstream::start(|_| Reply::ok("next")).await;
+    let proxy = start_proxy(&one_at_a_time("")).await;
+
+    let mut client = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let get = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+        stalled.url("/stall"),
+        stalled.addr
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut client, get.as_bytes())
+        .await
+        .unwrap();
+    let (head, mut body) = read_response_head(&mut client).await;
+    assert_eq!(head.status, 200);
+    // The client sees the truncation: the connection ends before the 100 bytes.
+    let end = tokio::time::timeout(BOUND, client.read_to_end(&mut body)).await;
+    assert!(end.is_ok(), "the stalled body was never cut");
+    assert_eq!(body, b"partial");
+
+    // The group's only permit is free again: the next request is served.
+    let resp = reqwest_via(&proxy, None)
+        .get(fine.url("/after"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "next");
+    // The stalled upstream's connection was discarded, not pooled for reuse: the next
+    // request to it opens another.
+    let mut again = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let get = get.replace("/stall", "/again");
+    tokio::io::AsyncWriteExt::write_all(&mut again, get.as_bytes())
+        .await
+        .unwrap();
+    let (head, _) = read_response_head(&mut again).await;
+    assert_eq!(head.status, 200);
+    assert_eq!(stalled.connections.load(Ordering::SeqCst), 2);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_request_body_is_cut_before_and_after_it_goes_upstream() {
+    let fine = Upstream::start(|seen| Reply::ok(format!("got {}", seen.body.len()))).await;
+    // Buffered for replay (the default 1 MiB) or streamed upstream (0 bytes kept).
+    for keep in ["", "max_replay_body = 0\n"] {
+        let proxy = start_proxy(&one_at_a_time(keep)).await;
+        let post = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 10\r\n\r\nabc",
+            fine.url("/upload"),
+            fine.authority()
+        );
+        let resp = raw_request(proxy.addr, post.as_bytes()).await;
+        assert!(
+            resp.status == 408,
+            "{keep:?}: {} {:?}",
+            resp.status,
+            resp.text()
+        );
+        assert!(resp.text().contains("body_idle_timeout"), "{}", resp.text());
+        // The permit is free: the next request is served.
+        let next = reqwest_via(&proxy, None)
+            .post(fine.url("/next"))
+            .body("whole")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(next.text().await.unwrap(), "got 5", "{keep:?}");
+        proxy.shutdown().await;
+    }
+    // The buffered upload never went upstream; the streamed one went as far as the
+    // client sent it, and was cut there: never a whole request of 10 bytes.
+    for seen in fine.requests() {
+        match seen.path.as_str() {
+            "/next" => assert_eq!(&seen.body[..], b"whole"),
+            _ => assert!(seen.body.len() < 10, "{:?}", seen.body),
+        }
+    }
+    assert_eq!(fine.paths().iter().filter(|p| *p == "/upload").count(), 1);
+}

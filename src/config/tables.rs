@@ -38,6 +38,10 @@ pub struct ProxyConfig {
     /// How long an idle pooled connection to an upstream is kept for reuse.
     #[serde(deserialize_with = "super::values::timeout")]
     pub upstream_idle_timeout: Dur,
+    /// A request or response body that keeps its reader waiting this long without a
+    /// byte is cut, in either direction; the upstream connection goes with it.
+    #[serde(deserialize_with = "super::values::timeout")]
+    pub body_idle_timeout: Dur,
     /// Extra PEM root certificates trusted for upstream TLS, beside the public web roots.
     pub ca_file: Option<PathBuf>,
     /// After SIGTERM/SIGINT, how long in-flight requests and tunnels may take to finish.
@@ -53,6 +57,7 @@ impl Default for ProxyConfig {
             response_timeout: Dur::secs(60),
             client_header_timeout: Dur::secs(30),
             upstream_idle_timeout: Dur::secs(90),
+            body_idle_timeout: Dur::secs(60),
             ca_file: None,
             shutdown_grace: Dur::secs(30),
         }

@@ -276,7 +276,11 @@ impl Upstream {
             timeout: config.connect_timeout.0,
         };
         Ok(Upstream {
-            pool: Pool::new(connector, config.upstream_idle_timeout.0),
+            pool: Pool::new(
+                connector,
+                config.upstream_idle_timeout.0,
+                config.body_idle_timeout.0,
+            ),
             response_timeout: config.response_timeout.0,
         })
     }
@@ -367,6 +371,10 @@ fn upstream_error(err: &(dyn std::error::Error + 'static), authority: String) ->
     for cause in causes(err) {
         if let Some(found) = cause.downcast_ref::<ProxyError>() {
             return found.clone();
+        }
+        // The client's body stalled while it went upstream.
+        if let Some(idle) = cause.downcast_ref::<crate::body::BodyIdle>() {
+            return ProxyError::RequestBodyIdle { after: idle.0 };
         }
         if let Some(tls) = cause.downcast_ref::<rustls::Error>() {
             let reason = tls.to_string();

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use tower::Service;
 
 use super::{set_host, Connector};
-use crate::body::{self, Body, BoxError, Holding};
+use crate::body::{self, Body, BoxError, Holding, IdleLimit};
 use crate::error::ProxyError;
 
 /// Which upstream a connection goes to, from which serving thread. Authorities compare
@@ -108,6 +108,9 @@ pub struct Pool {
 struct Inner {
     connector: Connector,
     idle_timeout: Duration,
+    /// `body_idle_timeout`: a response body that keeps its reader waiting this long is
+    /// cut (and its connection with it).
+    body_idle: Duration,
     /// Idle HTTP/1.1 connections by upstream, most recently returned last.
     idle: Mutex<HashMap<Key, Vec<Idle>>>,
     multiplexed: Mutex<HashMap<Key, Multiplexed>>,
@@ -125,11 +128,12 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Pool {
     /// An empty pool that opens connections with `connector` and closes those idle for
     /// `idle_timeout`.
-    pub(super) fn new(connector: Connector, idle_timeout: Duration) -> Pool {
+    pub(super) fn new(connector: Connector, idle_timeout: Duration, body_idle: Duration) -> Pool {
         Pool {
             inner: Arc::new(Inner {
                 connector,
                 idle_timeout,
+                body_idle,
                 idle: Mutex::default(),
                 multiplexed: Mutex::default(),
                 sweeping: AtomicBool::new(false),
@@ -177,7 +181,10 @@ impl Pool {
                         req.headers_mut().remove(header::HOST);
                         match sender.try_send_request(req).await {
                             Ok(response) => {
-                                return Ok(response.map(|b| body::boxed(Holding::new(b, held))))
+                                return Ok(response.map(|b| {
+                                    let b = IdleLimit::new(b, pool.body_idle);
+                                    body::boxed(Holding::new(b, held))
+                                }))
                             }
                             Err(e) => e,
                         }
@@ -331,6 +338,7 @@ fn returning<H: Send + Sync + 'static>(
         if http_body::Body::is_end_stream(&body.inner) {
             give_back(&mut body.back);
         }
+        let body = IdleLimit::new(body, pool.body_idle);
         body::boxed(Holding::new(body, held))
     })
 }
