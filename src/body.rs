@@ -39,7 +39,8 @@ pub fn empty() -> Body {
 
 /// A request body after [`read_up_to`].
 pub enum Buffered {
-    /// The whole body, in memory.
+    /// The whole body, in memory of its own (never a slice of hyper's read buffer,
+    /// which a waiting request would otherwise keep allocated).
     Complete(Bytes),
     /// Too big: what was read, then the rest, still streaming.
     Streaming(Body),
@@ -77,7 +78,7 @@ pub async fn read_up_to(mut body: Body, limit: u64) -> Result<Buffered, BoxError
     }
     Ok(Buffered::Complete(match chunks.len() {
         0 => Bytes::new(),
-        1 => chunks.pop().expect("one chunk"),
+        1 => Bytes::copy_from_slice(&chunks[0]),
         _ => chunks.concat().into(),
     }))
 }

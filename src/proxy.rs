@@ -56,6 +56,8 @@ pub struct Proxy {
     shutdown: Shutdown,
     /// `body_idle_timeout`, for request bodies.
     body_idle: std::time::Duration,
+    /// `replay_memory`: what the bodies read ahead for replay may take together.
+    replay_memory: Arc<crate::replay::ReplayMemory>,
 }
 
 impl Proxy {
@@ -98,6 +100,7 @@ impl Proxy {
             cut: CancellationToken::new(),
             shutdown: Shutdown::default(),
             body_idle: config.proxy.body_idle_timeout.0,
+            replay_memory: crate::replay::ReplayMemory::new(config.proxy.replay_memory.0),
         })
     }
 
@@ -190,7 +193,10 @@ impl Proxy {
             cost,
             ..
         } = &mut *to;
-        request.read_body(group.settings.max_replay_body).await?;
+        let memory = &self.replay_memory;
+        request
+            .read_body(group.settings.max_replay_body, memory)
+            .await?;
         let mut attempt = 0;
         loop {
             let permit = self.admit(group, *cost, arrived, attempt > 0).await?;

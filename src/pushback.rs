@@ -18,6 +18,7 @@
 
 use std::hash::{BuildHasher, Hasher};
 use std::ops::ControlFlow;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -29,6 +30,7 @@ use crate::config::GroupSettings;
 use crate::error::ProxyError;
 use crate::limit::Group;
 use crate::ratelimit_headers::{names_a_rate_limit, pause_hint};
+use crate::replay::{ReplayMemory, Reservation};
 use crate::retry_after::{backoff, retry_after};
 
 /// What a response means for its group.
@@ -95,6 +97,8 @@ pub enum Replayable {
         parts: http::request::Parts,
         /// The whole body.
         body: Bytes,
+        /// The body's share of `replay_memory` (none for an empty body).
+        memory: Option<Reservation>,
     },
     /// The body streams: one attempt only (taken by the first).
     Once(Option<Request<Body>>),
@@ -117,15 +121,32 @@ impl Replayable {
         Replayable::Buffered {
             parts: owned_head(parts),
             body: Bytes::new(),
+            memory: None,
         }
     }
 
-    /// Reads the body into memory if it is at most `limit` bytes; a bigger one will
-    /// stream through once. Reading it before the wait also lets hyper notice a client
-    /// that leaves while its request waits (it only looks once the request body has
-    /// been read), so the request is never sent.
-    pub async fn read_body(&mut self, limit: u64) -> Result<(), ProxyError> {
+    /// Reads the body into memory if it is at most `limit` bytes and fits in `memory`
+    /// (reserved at its largest: its length, else `limit`); otherwise it will stream
+    /// through once. Reading it before the wait also lets hyper notice a client that
+    /// leaves while its request waits (it only looks once the request body has been
+    /// read), so the request is never sent.
+    pub async fn read_body(
+        &mut self,
+        limit: u64,
+        memory: &Arc<ReplayMemory>,
+    ) -> Result<(), ProxyError> {
         let Replayable::Unread(req) = self else {
+            return Ok(());
+        };
+        let hint = http_body::Body::size_hint(req.as_ref().expect("read once").body());
+        let largest = hint.upper().unwrap_or(limit).min(limit);
+        let reserved = match hint.lower() <= limit {
+            true => memory.reserve(largest),
+            false => None,
+        };
+        let Some(mut reserved) = reserved else {
+            // Too big to replay, or no room: not read ahead at all.
+            *self = Replayable::Once(req.take());
             return Ok(());
         };
         let (parts, body) = req.take().expect("read once").into_parts();
@@ -133,11 +154,20 @@ impl Replayable {
         let read = Box::pin(body::read_up_to(body, limit));
         let read = read.await.map_err(|e| ProxyError::request_body(&e))?;
         *self = match read {
-            Buffered::Complete(bytes) => Replayable::Buffered {
-                parts: owned_head(parts),
-                body: Bytes::copy_from_slice(&bytes),
-            },
-            Buffered::Streaming(body) => Replayable::Once(Some(Request::from_parts(parts, body))),
+            Buffered::Complete(bytes) => {
+                reserved.shrink_to(bytes.len() as u64);
+                Replayable::Buffered {
+                    parts: owned_head(parts),
+                    body: bytes,
+                    memory: Some(reserved),
+                }
+            }
+            // The part already read stays in memory until it has streamed: so does
+            // its share of the budget.
+            Buffered::Streaming(body) => {
+                let body = body::boxed(body::Holding::new(body, reserved));
+                Replayable::Once(Some(Request::from_parts(parts, body)))
+            }
         };
         Ok(())
     }
@@ -150,7 +180,7 @@ impl Replayable {
     /// The request for attempt `attempt` (0 for the first).
     pub fn attempt(&mut self, attempt: u32) -> Request<Body> {
         match self {
-            Replayable::Buffered { parts, body } => {
+            Replayable::Buffered { parts, body, .. } => {
                 let body = if body.is_empty() {
                     body::empty()
                 } else {

@@ -1,10 +1,14 @@
-//! Which requests may be sent again after the upstream pushed back.
+//! Which requests may be sent again after the upstream pushed back, and the memory
+//! their bodies may take.
 //!
 //! A replay is safe when the upstream did not carry the request out. Any refusal
 //! status may be replayed for an idempotent method (sending it twice does what
 //! sending it once does); for the others (POST, PATCH, ...) only the statuses that
 //! say the request was not processed: `429`, and `503` with `Retry-After` (a `503`
 //! without it is never a push-back, see [`crate::pushback::judge`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use http::{Method, StatusCode};
 
@@ -15,9 +19,86 @@ pub fn may_replay(method: &Method, status: StatusCode) -> bool {
         || status == StatusCode::SERVICE_UNAVAILABLE
 }
 
+/// The memory all bodies held for replay may take together (`[proxy] replay_memory`).
+/// A request whose body does not fit is not read ahead: it streams to the upstream once
+/// its turn comes, and cannot be replayed.
+#[derive(Debug)]
+pub struct ReplayMemory {
+    limit: u64,
+    used: AtomicU64,
+}
+
+/// Bytes of [`ReplayMemory`] held by one body; given back when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    memory: Arc<ReplayMemory>,
+    bytes: u64,
+}
+
+impl ReplayMemory {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: u64) -> Arc<ReplayMemory> {
+        Arc::new(ReplayMemory {
+            limit,
+            used: AtomicU64::new(0),
+        })
+    }
+
+    /// `bytes` of the budget, if that much is free.
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Option<Reservation> {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|total| *total <= self.limit)
+            })
+            .ok()?;
+        Some(Reservation {
+            memory: self.clone(),
+            bytes,
+        })
+    }
+
+    /// The bytes reserved now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+impl Reservation {
+    /// Keeps `bytes` of it (at most what it holds), giving the rest back: a body
+    /// reserved for at its largest, once read.
+    pub fn shrink_to(&mut self, bytes: u64) {
+        let spare = self.bytes.saturating_sub(bytes);
+        self.memory.used.fetch_sub(spare, Ordering::AcqRel);
+        self.bytes -= spare;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.memory.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reservations_fit_the_budget_and_give_back() {
+        let memory = ReplayMemory::new(100);
+        let mut a = memory.reserve(60).expect("fits");
+        assert!(memory.reserve(41).is_none());
+        let b = memory.reserve(40).expect("fits exactly");
+        assert_eq!(memory.used(), 100);
+        a.shrink_to(10);
+        assert_eq!(memory.used(), 50);
+        a.shrink_to(20); // never grows
+        assert_eq!(memory.used(), 50);
+        drop(b);
+        drop(a);
+        assert_eq!(memory.used(), 0);
+        assert!(memory.reserve(u64::MAX).is_none());
+    }
 
     #[test]
     fn non_idempotent_requests_replay_only_when_not_processed() {

@@ -310,3 +310,130 @@ async fn a_stalled_request_body_is_cut_before_and_after_it_goes_upstream() {
     }
     assert_eq!(fine.paths().iter().filter(|p| *p == "/upload").count(), 1);
 }
+
+// ---------------------------------------------------------------------------------
+// The memory of bodies held for replay (replay_memory)
+// ---------------------------------------------------------------------------------
+
+/// `pattern`'s first `len` bytes in one buffer.
+fn pattern_bytes(len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        let n = (len - out.len()).min(16 * 1024);
+        out.extend_from_slice(&pattern(out.len() as u64, n));
+    }
+    out
+}
+
+/// The peak resident memory of process `pid`, in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line["VmHWM:".len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_uploads_stay_within_replay_memory_and_are_all_served() {
+    use tokio::io::AsyncWriteExt;
+    const CLIENTS: usize = 150;
+    const SIZE: usize = 1 << 20;
+    let upstream = Upstream::start_bulk().await;
+    let dir = tempfile::tempdir().unwrap();
+    let listen = closed_addr();
+    let config = write_file(
+        dir.path(),
+        "tollgate.toml",
+        &format!(
+            "[proxy]\nlisten = \"{listen}\"\nreplay_memory = \"32MiB\"\n\
+             [[limit]]\nname = \"uploads\"\nhosts = [\"127.0.0.1\"]\nrate = \"50/s\"\n\
+             queue = 1000\nmax_wait = \"5m\"\n{ALLOW_LOOPBACK}"
+        ),
+    );
+    let mut child = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "warn")])
+        .arg("--config")
+        .arg(&config)
+        .env_remove("TOLLGATE_CONFIG")
+        .env_remove("TOLLGATE_LISTEN")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("tollgate runs");
+    let deadline = std::time::Instant::now() + BOUND;
+    while tokio::net::TcpStream::connect(listen).await.is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
+        assert!(std::time::Instant::now() < deadline, "never listened");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let pid = child.id().unwrap();
+    let idle = peak_rss_kib(pid);
+
+    let body = Arc::new(pattern_bytes(SIZE));
+    let authority = upstream.authority();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let (body, authority) = (body.clone(), authority.clone());
+            tokio::spawn(async move {
+                let mut stream = tokio::net::TcpStream::connect(listen).await.unwrap();
+                let head = format!(
+                    "POST http://{authority}/up/{i} HTTP/1.1\r\nHost: {authority}\r\n\
+                     Content-Length: {SIZE}\r\nConnection: close\r\n\r\n"
+                );
+                stream.write_all(head.as_bytes()).await.unwrap();
+                stream.write_all(&body).await.unwrap();
+                read_response(&mut stream).await
+            })
+        })
+        .collect();
+    let expected = format!("{} {}", SIZE, pattern_digest(SIZE as u64).hash);
+    for (i, client) in clients.into_iter().enumerate() {
+        let resp = tokio::time::timeout(BOUND * 4, client)
+            .await
+            .unwrap_or_else(|_| panic!("client {i} was not answered"))
+            .unwrap();
+        assert_eq!(
+            (resp.status, resp.text()),
+            (200, expected.clone()),
+            "client {i}"
+        );
+    }
+    let uploads = upstream.uploads();
+    assert_eq!(uploads.len(), CLIENTS);
+    assert!(uploads.iter().all(|d| *d == pattern_digest(SIZE as u64)));
+    let peak = peak_rss_kib(pid);
+    eprintln!("peak RSS {peak} KiB (idle {idle} KiB) for {CLIENTS} x 1 MiB, replay_memory 32MiB");
+    assert!(peak < 96 * 1024, "peak RSS {peak} KiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_beyond_replay_memory_streams_once_and_is_not_replayed() {
+    let upstream = refusing_once(|| Reply::status(429).header("retry-after", "0")).await;
+    let proxy = start_proxy(&format!("[proxy]\nreplay_memory = \"1KiB\"\n{}", RETRY_500)).await;
+    let client = reqwest_via(&proxy, None);
+    // Within the budget: read ahead, and replayed after the 429.
+    let small = client
+        .post(upstream.url("/small"))
+        .body(vec![b's'; 1000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(small.status(), 200);
+    assert_eq!(upstream.paths(), ["/small", "/small"]);
+
+    // Beyond it (though within max_replay_body): sent once, its 429 passed through.
+    let upstream = refusing_once(|| Reply::status(429).header("retry-after", "0")).await;
+    let big = client
+        .post(upstream.url("/big"))
+        .body(vec![b'b'; 2000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(big.status(), 429);
+    let seen = upstream.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].body.len(), 2000);
+    proxy.shutdown().await;
+}

@@ -10,8 +10,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::values::{
-    AccessRule, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, RedisUrl, RoutePrefix,
-    UpstreamUrl,
+    AccessRule, ByteSize, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, RedisUrl,
+    RoutePrefix, UpstreamUrl,
 };
 
 /// `[proxy]`: where tollgate listens and how it talks to upstreams.
@@ -42,6 +42,9 @@ pub struct ProxyConfig {
     /// byte is cut, in either direction; the upstream connection goes with it.
     #[serde(deserialize_with = "super::values::timeout")]
     pub body_idle_timeout: Dur,
+    /// The memory all request bodies held for replay may take together; a body that
+    /// does not fit streams once, without replay.
+    pub replay_memory: ByteSize,
     /// Extra PEM root certificates trusted for upstream TLS, beside the public web roots.
     pub ca_file: Option<PathBuf>,
     /// After SIGTERM/SIGINT, how long in-flight requests and tunnels may take to finish.
@@ -58,6 +61,7 @@ impl Default for ProxyConfig {
             client_header_timeout: Dur::secs(30),
             upstream_idle_timeout: Dur::secs(90),
             body_idle_timeout: Dur::secs(60),
+            replay_memory: ByteSize(256 << 20),
             ca_file: None,
             shutdown_grace: Dur::secs(30),
         }
