@@ -127,9 +127,10 @@ impl Proxy {
         let classified = self.classify(req, local).map(Box::new);
         async move {
             let answered = match (checked, classified) {
-                (Err(e), _) => Err(e),
+                (Err(e), classified) => Err(answered_early(e, classified)),
                 (Ok(check), classified) => match (check.user().await, classified) {
-                    (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+                    (Err(e), classified) => Err(answered_early(e, classified)),
+                    (Ok(_), Err(e)) => Err(e),
                     (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => {
                         self.tunnel(to, arrived).await
                     }
@@ -158,6 +159,7 @@ impl Proxy {
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
         Ok(Classified {
+            left: LeftEarly(Some(group.clone())),
             method: req.method().clone(),
             request: Replayable::new(req),
             target,
@@ -172,6 +174,7 @@ impl Proxy {
         mut to: Box<Classified>,
         arrived: Instant,
     ) -> Result<Response<Body>, ProxyError> {
+        to.left.disarm();
         let permit = self.admit(&to.group, to.cost, arrived, false).await?;
         let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
         let req = to.request.attempt(0);
@@ -187,6 +190,7 @@ impl Proxy {
         arrived: Instant,
     ) -> Result<Response<Body>, ProxyError> {
         let Classified {
+            left,
             method,
             request,
             group,
@@ -194,9 +198,11 @@ impl Proxy {
             ..
         } = &mut *to;
         let memory = &self.replay_memory;
-        request
-            .read_body(group.settings.max_replay_body, memory)
-            .await?;
+        let read = request.read_body(group.settings.max_replay_body, memory);
+        // A body that fails (its client left, or stalled) is counted as `cancelled`.
+        read.await?;
+        // From here the group counts what becomes of the request.
+        left.disarm();
         let mut attempt = 0;
         loop {
             let permit = self.admit(group, *cost, arrived, attempt > 0).await?;
@@ -269,9 +275,39 @@ impl Proxy {
 
 /// A request, classified.
 struct Classified {
+    left: LeftEarly,
     method: http::Method,
     request: Replayable,
     target: Target,
     group: Arc<Group>,
     cost: u32,
+}
+
+/// Counts a request whose client left before it reached its group's queue as
+/// `cancelled`, as the queue counts one whose client leaves while it waits: hyper
+/// drops the request's future when the client closes (or half-closes) its connection,
+/// possibly before the future ever runs. Disarmed once the group counts the request,
+/// or once it is answered without the group.
+struct LeftEarly(Option<Arc<Group>>);
+
+impl LeftEarly {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for LeftEarly {
+    fn drop(&mut self) {
+        if let Some(group) = self.0.take() {
+            group.metrics.cancelled.inc();
+        }
+    }
+}
+
+/// `e`, for a classified request answered before it reached its group.
+fn answered_early(e: ProxyError, classified: Result<Box<Classified>, ProxyError>) -> ProxyError {
+    if let Ok(mut to) = classified {
+        to.left.disarm();
+    }
+    e
 }

@@ -437,3 +437,65 @@ async fn a_body_beyond_replay_memory_streams_once_and_is_not_replayed() {
     assert_eq!(seen[0].body.len(), 2000);
     proxy.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------
+// Half-closed clients
+// ---------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_client_is_treated_as_gone_and_counted_cancelled() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Upstream::start(|_| Reply::ok("served")).await;
+    let proxy = start_proxy_with_admin(
+        "[[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\n",
+    )
+    .await;
+    take_the_slot(&proxy, &upstream).await;
+    const CLIENTS: usize = 5;
+    let mut clients = Vec::new();
+    for i in 0..CLIENTS {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let get = format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+            upstream.url(&format!("/half-{i}")),
+            upstream.authority()
+        );
+        stream.write_all(get.as_bytes()).await.unwrap();
+        // Request sent, then the write side closed.
+        // Once tollgate has read the request (a head and a FIN in one read are never
+        // seen as a request at all: nothing is sent, nothing is counted).
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        stream.shutdown().await.unwrap();
+        clients.push(stream);
+    }
+    // And one that leaves in the middle of its upload, before its request queues.
+    let mut upload = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let post = format!(
+        "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\n\r\nonly ten b",
+        upstream.url("/upload"),
+        upstream.authority()
+    );
+    upload.write_all(post.as_bytes()).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    drop(upload);
+    let cancelled = format!(
+        "tollgate_requests_total{{group=\"slow\",outcome=\"cancelled\"}} {}\n",
+        CLIENTS + 1
+    );
+    let deadline = std::time::Instant::now() + BOUND;
+    loop {
+        let metrics = admin_get(&proxy, "/metrics").await;
+        if metrics.contains(&cancelled) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{metrics}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    for mut stream in clients {
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(BOUND, stream.read_to_end(&mut got)).await;
+        assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
+    }
+    assert_eq!(upstream.paths(), ["/first"]);
+    proxy.shutdown().await;
+}
