@@ -12,6 +12,7 @@
 //! open tunnels for up to `shutdown_grace`; then answer every request still queued
 //! `503` ([`crate::shutdown`]), and close whatever is left.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -275,6 +276,7 @@ async fn serve(
             protocols: settings.protocols.clone(),
             local,
             remote,
+            first_byte: None,
         };
         connections.spawn(client.serve(stream, drain.clone(), cut.clone()));
     }
@@ -335,6 +337,8 @@ struct Client {
     /// The address the client connected to (transparent routes depend on it).
     local: SocketAddr,
     remote: SocketAddr,
+    /// When the first head's first byte came, as the version check saw it.
+    first_byte: Option<Instant>,
 }
 
 /// What every HTTP/2 connection opens with (RFC 9113 §3.4).
@@ -343,7 +347,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 impl Client {
     /// Serves the connection with the HTTP version its first bytes show, until it ends,
     /// `drain` asks it to finish (it then closes after the requests in hand), or `cut`.
-    async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
+    async fn serve(mut self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
         let remote = self.remote;
         let h2 = tokio::select! {
             h2 = tokio::time::timeout(self.protocols.header_timeout, speaks_h2(&stream)) => h2,
@@ -358,8 +362,11 @@ impl Client {
         let ended = match h2 {
             // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
             // it would size every connection's task.
-            Ok(Ok(true)) => Box::pin(self.serve_http2(stream, &drain, &cut)).await,
-            Ok(Ok(false)) => self.serve_http1(stream, &drain, &cut).await,
+            Ok(Ok((true, _))) => Box::pin(self.serve_http2(stream, &drain, &cut)).await,
+            Ok(Ok((false, first_byte))) => {
+                self.first_byte = Some(first_byte);
+                self.serve_http1(stream, &drain, &cut).await
+            }
             Ok(Err(e)) => {
                 tracing::debug!(%remote, error = %e, "client connection failed");
                 return;
@@ -389,9 +396,7 @@ impl Client {
             let proxy = proxy.clone();
             async move { Ok::<_, Infallible>(proxy.handle(req, local, remote).await) }
         });
-        let conn = self
-            .protocols
-            .http1
+        let conn = http1_for(&self.protocols, self.first_byte)
             .serve_connection(TokioIo::new(stream), service)
             .with_upgrades();
         until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut).await
@@ -453,22 +458,43 @@ impl Client {
 /// that hyper reads them again. (hyper-util's `auto` connection reads them itself and
 /// hands them back in front of the socket, which grows hyper's read buffer on the
 /// first request of every connection.)
-async fn speaks_h2(stream: &TcpStream) -> std::io::Result<bool> {
+///
+/// Also returns when the first byte was seen: the first head's budget starts there.
+async fn speaks_h2(stream: &TcpStream) -> std::io::Result<(bool, Instant)> {
     let mut first = [0u8; H2_PREFACE.len()];
     let mut pause = Duration::from_millis(5);
+    let mut first_byte = None;
     loop {
         let n = stream.peek(&mut first).await?;
+        let since = *first_byte.get_or_insert_with(Instant::now);
         if n == 0 || !H2_PREFACE.starts_with(&first[..n]) {
-            return Ok(false);
+            return Ok((false, since));
         }
         if n == H2_PREFACE.len() {
-            return Ok(true);
+            return Ok((true, since));
         }
         // Part of the preface: peeking again at once would see the same bytes. A client
         // that stalls there is looked at less and less often.
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(500));
     }
+}
+
+/// The HTTP/1 settings for a connection whose first head began at `first_byte`.
+/// `client_header_timeout` is the whole budget of a head from its first byte, and
+/// hyper's timer starts only once the version check is done: a head that begins like
+/// HTTP/2's preface (`P`…, as POST, PUT and PATCH do) and trickles in has spent part of
+/// it already, so hyper gets what is left (for the rest of the connection too, which
+/// only a client trickling its first bytes ever sees).
+fn http1_for(protocols: &Protocols, first_byte: Option<Instant>) -> Cow<'_, http1::Builder> {
+    let spent = first_byte.map_or(Duration::ZERO, |at| at.elapsed());
+    if spent < Duration::from_millis(10) {
+        return Cow::Borrowed(&protocols.http1);
+    }
+    let mut http1 = protocols.http1.clone();
+    let left = protocols.header_timeout.saturating_sub(spent);
+    http1.header_read_timeout(left.max(Duration::from_millis(1)));
+    Cow::Owned(http1)
 }
 
 /// How many requests are open on one HTTP/2 connection, and since when none has been.

@@ -499,3 +499,44 @@ async fn a_half_closed_client_is_treated_as_gone_and_counted_cancelled() {
     assert_eq!(upstream.paths(), ["/first"]);
     proxy.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------
+// client_header_timeout: the whole budget of a head, from its first byte
+// ---------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_that_trickles_gets_client_header_timeout_from_its_first_byte() {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Upstream::start(|_| Reply::ok("served")).await;
+    // 2 s for the head. `P` at 0 s and `O` at 1.6 s keep the version check busy (HTTP/2's
+    // preface starts with `P` too); the rest of the head is in by 3 s. Counted from the
+    // first byte it is cut at 2 s; counted from the end of the check, only at 3.6 s.
+    let proxy = start_proxy("[proxy]\nclient_header_timeout = \"2s\"\n").await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\n\r\n",
+        upstream.url("/trickled"),
+        upstream.authority()
+    );
+    let (first, rest) = head.as_bytes().split_at(2);
+    stream.write_all(&first[..1]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    stream.write_all(&first[1..]).await.unwrap();
+    let pause = Duration::from_millis(1400) / rest.len() as u32;
+    for byte in rest {
+        if stream.write_all(&[*byte]).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+    }
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(BOUND, stream.read_to_end(&mut answer)).await;
+    assert!(
+        !answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert!(upstream.paths().is_empty());
+    proxy.shutdown().await;
+}
