@@ -88,6 +88,8 @@ impl Proxy {
                 file: "proxy.ca_file".into(),
                 message,
             })?;
+        let replay_memory =
+            crate::replay::ReplayMemory::new(config.proxy.replay_memory.0, Some(&metrics));
         Ok(Proxy {
             access,
             classifier: Classifier::new(config),
@@ -100,7 +102,7 @@ impl Proxy {
             cut: CancellationToken::new(),
             shutdown: Shutdown::default(),
             body_idle: config.proxy.body_idle_timeout.0,
-            replay_memory: crate::replay::ReplayMemory::new(config.proxy.replay_memory.0),
+            replay_memory,
         })
     }
 

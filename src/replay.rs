@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use http::{Method, StatusCode};
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::metrics::Metrics;
 
 /// Whether a request with `method` that got `status` (a push-back) may be sent again.
 pub fn may_replay(method: &Method, status: StatusCode) -> bool {
@@ -26,6 +29,8 @@ pub fn may_replay(method: &Method, status: StatusCode) -> bool {
 pub struct ReplayMemory {
     limit: u64,
     used: AtomicU64,
+    /// `used`, as `tollgate_replay_memory_bytes`.
+    gauge: Gauge,
 }
 
 /// Bytes of [`ReplayMemory`] held by one body; given back when dropped.
@@ -36,21 +41,38 @@ pub struct Reservation {
 }
 
 impl ReplayMemory {
-    /// A budget of `limit` bytes.
-    pub fn new(limit: u64) -> Arc<ReplayMemory> {
+    /// A budget of `limit` bytes, its use shown in `metrics` when given.
+    pub fn new(limit: u64, metrics: Option<&Metrics>) -> Arc<ReplayMemory> {
+        let gauge = Gauge::default();
+        if let Some(metrics) = metrics {
+            metrics.register(|registry| {
+                registry.register(
+                    "tollgate_replay_memory_bytes",
+                    "Request bodies held in memory for replay, in bytes ([proxy] replay_memory)",
+                    gauge.clone(),
+                );
+            });
+        }
         Arc::new(ReplayMemory {
             limit,
             used: AtomicU64::new(0),
+            gauge,
         })
+    }
+
+    fn show(&self, used: u64) {
+        self.gauge.set(i64::try_from(used).unwrap_or(i64::MAX));
     }
 
     /// `bytes` of the budget, if that much is free.
     pub fn reserve(self: &Arc<Self>, bytes: u64) -> Option<Reservation> {
-        self.used
+        let before = self
+            .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(bytes).filter(|total| *total <= self.limit)
             })
             .ok()?;
+        self.show(before + bytes);
         Some(Reservation {
             memory: self.clone(),
             bytes,
@@ -68,14 +90,16 @@ impl Reservation {
     /// reserved for at its largest, once read.
     pub fn shrink_to(&mut self, bytes: u64) {
         let spare = self.bytes.saturating_sub(bytes);
-        self.memory.used.fetch_sub(spare, Ordering::AcqRel);
+        let before = self.memory.used.fetch_sub(spare, Ordering::AcqRel);
+        self.memory.show(before - spare);
         self.bytes -= spare;
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.memory.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        let before = self.memory.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.memory.show(before - self.bytes);
     }
 }
 
@@ -85,18 +109,18 @@ mod tests {
 
     #[test]
     fn reservations_fit_the_budget_and_give_back() {
-        let memory = ReplayMemory::new(100);
+        let memory = ReplayMemory::new(100, None);
         let mut a = memory.reserve(60).expect("fits");
         assert!(memory.reserve(41).is_none());
         let b = memory.reserve(40).expect("fits exactly");
-        assert_eq!(memory.used(), 100);
+        assert_eq!((memory.used(), memory.gauge.get()), (100, 100));
         a.shrink_to(10);
         assert_eq!(memory.used(), 50);
         a.shrink_to(20); // never grows
         assert_eq!(memory.used(), 50);
         drop(b);
         drop(a);
-        assert_eq!(memory.used(), 0);
+        assert_eq!((memory.used(), memory.gauge.get()), (0, 0));
         assert!(memory.reserve(u64::MAX).is_none());
     }
 
