@@ -56,6 +56,14 @@ pub enum ProxyError {
         /// The request's `Via` header.
         via: String,
     },
+    /// A request inside an intercepted tunnel names another host than the tunnel's.
+    #[error("this tunnel was opened to {tunnel}, and the request names {named}: open a tunnel to {named} for it")]
+    Misdirected {
+        /// The host the request names.
+        named: String,
+        /// The host the tunnel was opened to.
+        tunnel: String,
+    },
     /// The upstream host name did not resolve.
     #[error("could not resolve {host}: {reason}")]
     Dns {
@@ -167,6 +175,7 @@ impl ProxyError {
         use ProxyError::*;
         match self {
             BadRequest(_) => StatusCode::BAD_REQUEST,
+            Misdirected { .. } => StatusCode::MISDIRECTED_REQUEST,
             NoRoute { .. } => StatusCode::NOT_FOUND,
             PortNotAllowed { .. } | DestinationDenied { .. } | ClientDenied { .. } => {
                 StatusCode::FORBIDDEN
@@ -186,7 +195,7 @@ impl ProxyError {
     pub fn proxy_status_error(&self) -> &'static str {
         use ProxyError::*;
         match self {
-            BadRequest(_) => "http_request_error",
+            BadRequest(_) | Misdirected { .. } => "http_request_error",
             NoRoute { .. } => "destination_not_found",
             PortNotAllowed { .. } | ProxyAuthRequired | ClientDenied { .. } => {
                 "http_request_denied"

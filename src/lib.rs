@@ -39,6 +39,7 @@ pub mod config;
 pub mod descriptors;
 pub mod error;
 pub mod host;
+pub mod intercept;
 pub mod limit;
 pub mod metrics;
 pub mod path;

@@ -4,7 +4,9 @@
 //! Proxy::handle
 //!   0. access        the client's address, its proxy credentials, a loop
 //!   1. classify      where it goes (forward, route, tunnel) and whose budget it spends
-//!   2. tunnel        CONNECT: wait in the group, then open it (permit held while open)
+//!   2. tunnel        CONNECT: wait in the group, then open it (permit held while open);
+//!                    or, to an intercepted host, answer it and serve what comes
+//!                    through as requests of their own (they start again at 1)
 //!   3. forward       read the body into memory when small, so it can be replayed;
 //!   4.               wait in the group → send upstream → judge the answer:
 //!                    done, or paused and sent again at the head of the queue
@@ -30,9 +32,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::access::Access;
 use crate::body::{self, Body};
-use crate::classify::{Classifier, Kind, Target};
+use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
+use crate::intercept::Intercept;
 use crate::limit::{Group, Limits, Permit, Redis, Store};
 use crate::metrics::Metrics;
 use crate::pushback::{self, Replayable};
@@ -49,6 +52,8 @@ pub struct Proxy {
     redis: Option<Arc<Redis>>,
     upstream: Upstream,
     dialer: Dialer,
+    /// Which CONNECT tunnels are decrypted (`[intercept]`).
+    intercept: Option<Intercept>,
     tunnels: TaskTracker,
     /// Cancelled when shutdown's grace is over: open tunnels close.
     cut: CancellationToken,
@@ -82,7 +87,15 @@ impl Proxy {
                 file: "proxy.ca_file".into(),
                 message,
             })?;
+        let intercept = match &config.intercept {
+            Some(intercept) => Some(Intercept::new(intercept).map_err(|e| ConfigError::Other {
+                file: "intercept".into(),
+                message: e.to_string(),
+            })?),
+            None => None,
+        };
         Ok(Proxy {
+            intercept,
             access,
             classifier: Classifier::new(config),
             limits,
@@ -95,8 +108,9 @@ impl Proxy {
         })
     }
 
-    /// Serves one request from `client`, connected to `local`. Never fails: an error is
-    /// answered with its own response.
+    /// Serves one request from `client`, connected to `local` (and sent `inside` an
+    /// intercepted tunnel, if it was). Never fails: an error is answered with its own
+    /// response.
     ///
     /// The request is classified before the future is built, and kept in a box: hyper
     /// holds this future in the client's connection for as long as the request waits,
@@ -106,20 +120,28 @@ impl Proxy {
         req: Request<Incoming>,
         local: SocketAddr,
         client: SocketAddr,
+        inside: Option<&Inside>,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
         let req = req.map(body::boxed);
         // 0. Who asks, and whether it came round again (a password is checked below).
-        let checked = self.access.check(client, req.headers());
-        let classified = self.classify(req, local).map(Box::new);
+        // Inside a tunnel, the CONNECT that opened it was checked.
+        let checked = match inside {
+            None => self.access.check(client, req.headers()),
+            Some(_) => Ok(crate::access::Check::Passed(None)),
+        };
+        let classified = self.classify(req, local, inside).map(Box::new);
         async move {
             let answered = match (checked, classified) {
                 (Err(e), _) => Err(e),
                 (Ok(check), classified) => match (check.user().await, classified) {
                     (Err(e), _) | (Ok(_), Err(e)) => Err(e),
-                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => {
-                        self.tunnel(to, arrived).await
-                    }
+                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => match &self.intercept {
+                        Some(i) if i.covers(&to.target.host, to.target.port) => {
+                            self.open_intercepted(to)
+                        }
+                        _ => self.tunnel(to, arrived).await,
+                    },
                     (Ok(_), Ok(to)) => self.forward(to, arrived).await,
                 },
             };
@@ -135,8 +157,12 @@ impl Proxy {
         &self,
         mut req: Request<Body>,
         local: SocketAddr,
+        inside: Option<&Inside>,
     ) -> Result<Classified, ProxyError> {
-        let target = self.classifier.classify(&mut req, local)?;
+        let target = match inside {
+            None => self.classifier.classify(&mut req, local)?,
+            Some(inside) => Classifier::inside(&mut req, inside)?,
+        };
         let group = self
             .limits
             .group_for(&target.host, target.port, target.limit.as_deref());
@@ -163,6 +189,18 @@ impl Proxy {
         let req = to.request.attempt(0);
         let open = Box::pin(tunnel::open(dialer, tunnels, cut, &to.target, req, permit));
         open.await
+    }
+
+    /// Step 2 for a CONNECT to an intercepted host: answered at once, for the server to
+    /// serve what comes through. A destination the policy refuses by name is refused
+    /// now; its addresses are checked as each request inside is sent.
+    fn open_intercepted(&self, mut to: Box<Classified>) -> Result<Response<Body>, ProxyError> {
+        self.dialer
+            .policy
+            .check_host(&to.target.host)
+            .map_err(|denial| ProxyError::DestinationDenied { denial })?;
+        tracing::debug!(host = %to.target.host, port = to.target.port, "tunnel intercepted");
+        Ok(tunnel::intercept(&to.target, to.request.attempt(0)))
     }
 
     /// Steps 3 and 4: the body, read before the wait; then wait, send, judge, and
@@ -197,6 +235,11 @@ impl Proxy {
         if let Some(redis) = &self.redis {
             redis.spawn_maintenance();
         }
+    }
+
+    /// TLS interception, when `[intercept]` is configured.
+    pub fn intercept(&self) -> Option<&Intercept> {
+        self.intercept.as_ref()
     }
 
     /// The groups, for the admin endpoints.

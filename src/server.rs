@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use http::{Method, Request};
+use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
@@ -28,10 +28,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{self, Holding};
+use crate::body::{self, Body, Holding};
+use crate::classify::Inside;
 use crate::config::{Config, ConfigError};
 use crate::proxy::Proxy;
-use crate::tunnel::KeepWhileOpen;
+use crate::tunnel::{Intercepted, KeepWhileOpen};
 
 /// At shutdown, how long a new connection that has sent nothing yet may take to show
 /// its first bytes before it is closed (a request already under way is served).
@@ -262,8 +263,12 @@ async fn serve(
             protocols: settings.protocols.clone(),
             local,
             remote,
+            inside: None,
+            connections: connections.clone(),
+            drain: drain.clone(),
+            cut: cut.clone(),
         };
-        connections.spawn(client.serve(stream, drain.clone(), cut.clone()));
+        connections.spawn(client.serve(stream));
     }
     drop(listener);
 
@@ -309,13 +314,23 @@ struct Protocols {
     header_timeout: Duration,
 }
 
-/// One accepted client connection.
+/// One accepted client connection, or one intercepted tunnel inside it.
+#[derive(Clone)]
 struct Client {
     proxy: Arc<Proxy>,
     protocols: Arc<Protocols>,
     /// The address the client connected to (transparent routes depend on it).
     local: SocketAddr,
     remote: SocketAddr,
+    /// The intercepted tunnel this connection is inside; `None` for the TCP connection.
+    inside: Option<Arc<Inside>>,
+    /// This thread's connections: an intercepted tunnel is served as one of them, so
+    /// shutdown drains it like any other.
+    connections: TaskTracker,
+    /// Asks the connection to finish the requests in hand and close.
+    drain: CancellationToken,
+    /// Closes it at once (shutdown, once the grace is over).
+    cut: CancellationToken,
 }
 
 /// What every HTTP/2 connection opens with (RFC 9113 §3.4).
@@ -324,8 +339,8 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 impl Client {
     /// Serves the connection with the HTTP version its first bytes show, until it ends,
     /// `drain` asks it to finish (it then closes after the requests in hand), or `cut`.
-    async fn serve(self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
-        let remote = self.remote;
+    async fn serve(self, stream: TcpStream) {
+        let (remote, drain, cut) = (self.remote, self.drain.clone(), self.cut.clone());
         let h2 = tokio::select! {
             h2 = tokio::time::timeout(self.protocols.header_timeout, speaks_h2(&stream)) => h2,
             // A connection accepted just before shutdown may have its request on the way:
@@ -339,8 +354,8 @@ impl Client {
         let ended = match h2 {
             // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
             // it would size every connection's task.
-            Ok(Ok(true)) => Box::pin(self.serve_http2(stream, &drain, &cut)).await,
-            Ok(Ok(false)) => self.serve_http1(stream, &drain, &cut).await,
+            Ok(Ok(true)) => Box::pin(self.serve_http2(TokioIo::new(stream))).await,
+            Ok(Ok(false)) => self.serve_http1(TokioIo::new(stream)).await,
             Ok(Err(e)) => {
                 tracing::debug!(%remote, error = %e, "client connection failed");
                 return;
@@ -359,61 +374,52 @@ impl Client {
         }
     }
 
-    async fn serve_http1(
-        self,
-        stream: TcpStream,
-        drain: &CancellationToken,
-        cut: &CancellationToken,
-    ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
-        let service = service_fn(move |req: Request<Incoming>| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req, local, remote).await) }
-        });
-        let conn = self
+    async fn serve_http1<I: Io>(self, io: I) -> Option<Result<(), hyper::Error>> {
+        let (drain, cut) = (self.drain.clone(), self.cut.clone());
+        let client = Arc::new(self);
+        let service = {
+            let client = client.clone();
+            service_fn(move |req: Request<Incoming>| {
+                let client = client.clone();
+                async move { Ok::<_, Infallible>(client.answer(req).await) }
+            })
+        };
+        let conn = client
             .protocols
             .http1
-            .serve_connection(TokioIo::new(stream), service)
+            .serve_connection(io, service)
             .with_upgrades();
-        until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut).await
+        until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), &cut).await
     }
 
     /// hyper's HTTP/2 server has no header timeout, so `client_header_timeout` is kept
     /// here: once no request has been open on the connection for that long, it is
     /// closed gracefully (GOAWAY), as HTTP/1 closes an idle keep-alive connection, and
     /// dropped if the client still holds it idle after as long again.
-    async fn serve_http2(
-        self,
-        stream: TcpStream,
-        drain: &CancellationToken,
-        cut: &CancellationToken,
-    ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
+    async fn serve_http2<I: Io>(self, io: I) -> Option<Result<(), hyper::Error>> {
+        // Its own drain token, so that an idle close does not touch other connections.
+        let (drain, cut) = (self.drain.child_token(), self.cut.clone());
+        let client = Arc::new(self);
         let idle = Arc::new(Idle::new());
         let service = {
-            let idle = idle.clone();
+            let (client, idle) = (client.clone(), idle.clone());
             service_fn(move |mut req: Request<Incoming>| {
-                let proxy = proxy.clone();
+                let client = client.clone();
                 let open = Arc::new(Idle::opened(&idle));
                 if req.method() == Method::CONNECT {
                     // A tunnel is an open stream until it closes, long after its `200`.
                     req.extensions_mut().insert(KeepWhileOpen(open.clone()));
                 }
                 async move {
-                    let response = proxy.handle(req, local, remote).await;
+                    let response = client.answer(req).await;
                     // The stream is open until its response body has been sent.
                     Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, open))))
                 }
             })
         };
-        let conn = self
-            .protocols
-            .http2
-            .serve_connection(TokioIo::new(stream), service);
-        // Its own drain token, so that an idle close does not touch other connections.
-        let drain = drain.child_token();
-        let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut);
-        let limit = self.protocols.header_timeout;
+        let conn = client.protocols.http2.serve_connection(io, service);
+        let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), &cut);
+        let limit = client.protocols.header_timeout;
         let watch = async {
             idle.for_at_least(limit).await;
             drain.cancel();
@@ -429,6 +435,70 @@ impl Client {
         }
     }
 }
+
+impl Client {
+    /// The proxy's answer to one request of this connection. When it opened an
+    /// intercepted tunnel, what the client sends through it is served as a connection of
+    /// its own, from when hyper hands the tunnel over.
+    async fn answer(&self, req: Request<Incoming>) -> Response<Body> {
+        let (local, remote, inside) = (self.local, self.remote, self.inside.as_deref());
+        let mut response = self.proxy.handle(req, local, remote, inside).await;
+        if let Some(tunnel) = response.extensions_mut().remove::<Intercepted>() {
+            let inner = Client {
+                inside: None,
+                ..self.clone()
+            };
+            self.connections.spawn(inner.serve_intercepted(tunnel));
+        }
+        response
+    }
+
+    /// Serves an intercepted tunnel: TLS with a certificate for its host (or plain
+    /// HTTP/1), then HTTP/1.1 or h2 as the client chose by ALPN. (A named future type:
+    /// the connection it serves is one whose answers spawn this.)
+    fn serve_intercepted(self, tunnel: Intercepted) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(self.serve_intercepted_inner(tunnel))
+    }
+
+    async fn serve_intercepted_inner(mut self, tunnel: Intercepted) {
+        let Intercepted {
+            on_upgrade,
+            host,
+            port,
+            keep,
+        } = tunnel;
+        // The outer HTTP/2 stream stays open while the tunnel is.
+        let _keep = keep;
+        let upgraded = tokio::select! {
+            upgraded = on_upgrade => upgraded,
+            () = self.cut.cancelled() => return,
+        };
+        let (Ok(upgraded), Some(intercept)) = (upgraded, self.proxy.intercept()) else {
+            tracing::debug!(%host, "client left before the tunnel opened");
+            return;
+        };
+        let within = self.protocols.header_timeout;
+        let Some(accepted) = intercept.accept(upgraded, &host, within).await else {
+            return;
+        };
+        let scheme = accepted.scheme;
+        self.inside = Some(Arc::new(Inside { host, port, scheme }));
+        let io = TokioIo::new(accepted.io);
+        let ended = if accepted.h2 {
+            Box::pin(self.serve_http2(io)).await
+        } else {
+            self.serve_http1(io).await
+        };
+        if let Some(Err(e)) = ended {
+            tracing::debug!(error = %e, "intercepted connection ended with an error");
+        }
+    }
+}
+
+/// What a client connection is read and written through: TCP, or an intercepted
+/// tunnel.
+trait Io: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static {}
+impl<T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static> Io for T {}
 
 /// Whether the client opens with HTTP/2's preface, from its first bytes, peeked so
 /// that hyper reads them again. (hyper-util's `auto` connection reads them itself and

@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use toml::Spanned;
@@ -23,8 +23,8 @@ mod tables;
 mod values;
 
 pub use tables::{
-    AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, LimitGroup,
-    OnBackendError, ProxyConfig, RouteConfig,
+    AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, InterceptConfig,
+    LimitGroup, OnBackendError, ProxyConfig, RouteConfig,
 };
 
 pub use values::{
@@ -49,6 +49,8 @@ pub struct Config {
     pub backend: BackendConfig,
     /// Where requests may go, and who may send them.
     pub access: AccessConfig,
+    /// Which CONNECT tunnels are decrypted; none when absent.
+    pub intercept: Option<InterceptConfig>,
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -131,6 +133,50 @@ struct RawConfig {
     backend: Option<Spanned<BackendConfig>>,
     #[serde(default)]
     access: AccessConfig,
+    #[serde(default)]
+    intercept: Option<Spanned<RawIntercept>>,
+}
+
+/// `[intercept]` as written: the CA files are read and checked by [`RawConfig::check`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIntercept {
+    ca_cert: Spanned<PathBuf>,
+    ca_key: Spanned<PathBuf>,
+    hosts: Option<Vec<HostPattern>>,
+    #[serde(default)]
+    bypass: Vec<HostPattern>,
+}
+
+impl RawIntercept {
+    /// Loads the CA (a file error points at the key that names the file) and resolves
+    /// the hosts: every `[[limit]]` host unless `hosts` is written.
+    fn resolve(
+        self,
+        span: Range<usize>,
+        limits: &[LimitGroup],
+    ) -> Result<InterceptConfig, Located> {
+        use crate::intercept::{Ca, CaError};
+        let ca = Ca::load(self.ca_cert.get_ref(), self.ca_key.get_ref()).map_err(|e| match e {
+            CaError::Key(message) => (self.ca_key.span(), format!("ca_key: {message}")),
+            e => (self.ca_cert.span(), format!("ca_cert: {e}")),
+        })?;
+        let hosts = self
+            .hosts
+            .unwrap_or_else(|| limits.iter().flat_map(|l| l.hosts.clone()).collect());
+        if hosts.is_empty() {
+            return Err((
+                span,
+                "[intercept] has no hosts to decrypt: list them in hosts, or add [[limit]] groups"
+                    .into(),
+            ));
+        }
+        Ok(InterceptConfig {
+            ca: std::sync::Arc::new(ca),
+            hosts,
+            bypass: self.bypass,
+        })
+    }
 }
 
 /// A `[defaults]` or `[[limit]]` table as written: every key optional, so a `[[limit]]`
@@ -310,7 +356,15 @@ impl RawConfig {
                 }
             }
         }
+        let intercept = match self.intercept {
+            Some(raw) => {
+                let span = raw.span();
+                Some(raw.into_inner().resolve(span, &limits)?)
+            }
+            None => None,
+        };
         Ok(Config {
+            intercept,
             proxy: self.proxy,
             routes: self.route.into_iter().map(Spanned::into_inner).collect(),
             defaults,
