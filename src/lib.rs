@@ -16,6 +16,8 @@
 //! * [`limit`] — groups: the FIFO queue, the rate (GCRA, in memory or in Redis), the
 //!   pause and concurrency permits;
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
+//! * [`intercept`] — or, for hosts in `[intercept]`, serve the tunnel with a
+//!   certificate for its host, so each request inside goes through this path again;
 //! * [`upstream`] — pooled hyper connections over rustls, timeouts, hop-by-hop headers;
 //! * [`pushback`] — judges the upstream's answer: 429/`Retry-After` and rate-limit
 //!   headers ([`retry_after`], [`ratelimit_headers`]) pause the group, and refused

@@ -521,4 +521,57 @@ mod tests {
         let e = err("[defaults]\nmax_replay_body = \"1 parsec\"\n");
         assert!(e.contains("invalid size"), "{e}");
     }
+
+    #[test]
+    fn intercept_loads_its_ca_and_points_at_the_bad_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = crate::intercept::init(dir.path()).unwrap();
+        let other = tempfile::tempdir().unwrap();
+        let (_, other_key) = crate::intercept::init(other.path()).unwrap();
+        let table = |cert: &Path, key: &Path, rest: &str| {
+            format!(
+                "[[limit]]\nname = \"gh\"\nhosts = [\"api.github.com\"]\n\n[intercept]\nca_cert = {:?}\nca_key = {:?}\n{rest}",
+                cert.display().to_string(),
+                key.display().to_string()
+            )
+        };
+        // Every [[limit]] host unless hosts is written.
+        let c = Config::parse(&table(&cert, &key, ""), "t.toml").unwrap();
+        let i = c.intercept.unwrap();
+        assert_eq!(i.hosts, [HostPattern::Exact("api.github.com".into())]);
+        let c = Config::parse(
+            &table(
+                &cert,
+                &key,
+                "hosts = [\"*.stripe.com\"]\nbypass = [\"x.stripe.com\"]",
+            ),
+            "t.toml",
+        )
+        .unwrap();
+        let i = c.intercept.unwrap();
+        assert_eq!(i.hosts, [HostPattern::Suffix(".stripe.com".into())]);
+        assert_eq!(i.bypass, [HostPattern::Exact("x.stripe.com".into())]);
+
+        let e = err(&table(&cert, &other_key, ""));
+        assert!(
+            e.starts_with("t.toml:7:10: ca_key: this key does not belong"),
+            "{e}"
+        );
+        let e = err(&table(&dir.path().join("missing.pem"), &key, ""));
+        assert!(e.starts_with("t.toml:6:11: ca_cert: cannot read"), "{e}");
+        let e = err(&table(&key, &key, ""));
+        assert!(
+            e.starts_with("t.toml:6:11: ca_cert: no PEM certificate"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[intercept]\nca_cert = {:?}\nca_key = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ));
+        assert!(
+            e.starts_with("t.toml:1:1:") && e.contains("no hosts to decrypt"),
+            "{e}"
+        );
+    }
 }
