@@ -10,6 +10,7 @@
 //!   3. forward       read the body into memory when small, so it can be replayed;
 //!   4.               wait in the group → send upstream → judge the answer:
 //!                    done, or paused and sent again at the head of the queue
+//!                    (a switch of protocols, WebSocket, is sent once and relayed)
 //! ```
 //!
 //! Every step returns a [`ProxyError`] on failure, and [`Proxy::handle`], the only
@@ -170,7 +171,9 @@ impl Proxy {
             .settings
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
+        let upgrade = crate::upstream::upgrade::requested(req.version(), req.headers());
         Ok(Classified {
+            upgrade,
             request: Replayable::new(req),
             target,
             group,
@@ -214,8 +217,16 @@ impl Proxy {
             request,
             group,
             cost,
+            upgrade,
             ..
         } = &mut *to;
+        // A switch of protocols (WebSocket) is one request of its group, not replayed;
+        // its permit is held while the switched connection is open.
+        if let Some(protocol) = upgrade.take() {
+            let permit = admit(group, *cost, arrived, false).await?;
+            let switching = self.upstream.switching(&self.tunnels, &self.cut);
+            return Box::pin(switching.send(request.attempt(0), protocol, permit)).await;
+        }
         request.read_body(group.settings.max_replay_body).await?;
         let mut attempt = 0;
         loop {
@@ -266,6 +277,8 @@ impl Proxy {
 /// A request, classified.
 struct Classified {
     request: Replayable,
+    /// The protocol it asks to switch to (`Upgrade`), if any.
+    upgrade: Option<http::HeaderValue>,
     target: Target,
     group: Arc<Group>,
     cost: u32,

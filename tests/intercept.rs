@@ -394,3 +394,70 @@ async fn a_request_for_another_host_inside_a_tunnel_is_misdirected() {
     assert_eq!(second.status, 421, "{second:?}");
     assert_eq!(plain.paths(), ["/mine"]);
 }
+
+#[tokio::test]
+async fn a_websocket_inside_an_intercepted_tunnel_is_relayed() {
+    let upstream_ca = TestCa::new();
+    let certs = tempfile::tempdir().unwrap();
+    upstream_ca.write_server_pem(certs.path());
+    let ca = InterceptCa::new();
+    // The upstream is aiohttp's WebSocket server on a port it picks: every port of
+    // 127.0.0.1 is intercepted and counted in one group.
+    let config = format!(
+        "[proxy]\nconnect_ports = [\"*\"]\nca_file = {:?}\n\n{}\n[[limit]]\nname = \"ws\"\nhosts = [\"127.0.0.1\"]\n",
+        upstream_ca.ca_pem_path().display().to_string(),
+        ca.table("")
+    );
+    let proxy = start_proxy_with_admin(&config).await;
+    let script = format!(
+        r#"
+import asyncio, ssl, aiohttp
+from aiohttp import web
+
+async def main():
+    seen = []
+    async def echo(request):
+        seen.append(request.headers.get("Via"))
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            await ws.send_str("echo " + msg.data)
+        return ws
+    app = web.Application()
+    app.router.add_get("/ws", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain("{dir}/cert.pem", "{dir}/key.pem")
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client_tls = ssl.create_default_context(cafile="{ca}")
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(f"wss://127.0.0.1:{{port}}/ws", ssl=client_tls, proxy="{proxy}") as ws:
+            for i in range(3):
+                await ws.send_str(f"m{{i}}")
+                print((await ws.receive()).data)
+    print("via", seen)
+    await runner.cleanup()
+
+asyncio.run(main())
+"#,
+        dir = certs.path().display(),
+        ca = ca.cert_str(),
+        proxy = proxy.url()
+    );
+    let out = python(&script, &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(
+        out.stdout, "echo m0\necho m1\necho m2\nvia ['1.1 tollgate']\n",
+        "{}",
+        out.stderr
+    );
+    // The switch counted as one request of the group.
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains("tollgate_requests_total{group=\"ws\",outcome=\"admitted\"} 1\n"),
+        "{metrics}"
+    );
+}
