@@ -461,3 +461,64 @@ asyncio.run(main())
         "{metrics}"
     );
 }
+
+#[tokio::test]
+async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
+    // A client speaking h2 to tollgate opens the tunnel as a CONNECT stream; the stream
+    // stays open while the tunnel is, past client_header_timeout (an h2 connection with
+    // no stream open closes after it). The connection inside is kept busy: idle for as
+    // long, it would close like any keep-alive connection.
+    use http_body_util::Empty;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
+    let ca = InterceptCa::new();
+    let config = format!(
+        "[proxy]\nconnect_ports = [\"*\"]\nclient_header_timeout = \"600ms\"\n\n{}\n[[limit]]\nname = \"api\"\nhosts = [\"{}\"]\n",
+        ca.table(""),
+        upstream.authority()
+    );
+    let proxy = start_proxy(&config).await;
+    let started = std::time::Instant::now();
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let connect = http::Request::connect(upstream.authority())
+        .body(Empty::new())
+        .unwrap();
+    let resp = send.send_request(connect).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut tunnel = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+
+    // 2 s in all: an h2 connection idle for 600 ms gets GOAWAY, and is dropped if still
+    // idle 1.2 s later.
+    let paths: Vec<String> = (0..10).map(|i| format!("/r{i}")).collect();
+    for path in &paths {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n",
+            upstream.authority()
+        );
+        tunnel.write_all(request.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !got.ends_with(format!("saw {path}").as_bytes()) {
+            let n = tokio::time::timeout(BOUND, tunnel.read(&mut chunk))
+                .await
+                .expect("an answer through the tunnel")
+                .unwrap_or_else(|e| panic!("{path}: the tunnel broke: {e}"));
+            assert!(n > 0, "{path}: the tunnel closed");
+            got.extend_from_slice(&chunk[..n]);
+        }
+    }
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    let seen = upstream.requests();
+    assert_eq!(upstream.paths(), paths);
+    assert!(seen.iter().all(|s| s.header("via") == Some("1.1 tollgate")));
+}
