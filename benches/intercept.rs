@@ -17,7 +17,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use rustls::pki_types::ServerName;
 use tollgate::intercept::{Ca, Leaves, LEAF_CACHE};
 
-fn leaves() -> (Leaves, String) {
+fn new_leaves() -> (Leaves, String) {
     let (cert, key) = Ca::generate("bench CA").unwrap();
     let ca = Arc::new(Ca::from_pem(&cert, &key).unwrap());
     (Leaves::new(ca).unwrap(), cert)
@@ -35,7 +35,7 @@ fn rss() -> u64 {
 }
 
 fn bench(c: &mut Criterion) {
-    let (leaves, ca_pem) = leaves();
+    let (leaves, ca_pem) = new_leaves();
     let mut group = c.benchmark_group("leaf");
     let mut n = 0u64;
     group.bench_function("new_host", |b| {
@@ -87,7 +87,7 @@ fn bench(c: &mut Criterion) {
     });
 
     // Memory: a fresh cache filled to its bound.
-    let (full, _) = leaves();
+    let (full, _) = new_leaves();
     let before = rss();
     for i in 0..LEAF_CACHE {
         full.server_config(&format!("m{i}.example.com")).unwrap();

@@ -5,8 +5,10 @@
 //!
 //! The modules in the order a request meets them:
 //!
-//! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) and
-//!   drains them on shutdown;
+//! * [`server`] — accepts client connections, one thread per core, and drains them
+//!   on shutdown;
+//! * [`connection`] — serves one: HTTP/1.1 or h2, CONNECT upgrades, and intercepted
+//!   tunnels as connections of their own;
 //! * [`proxy`] — the whole path of one request, on one screen: check access, classify,
 //!   wait in the group, send, judge the answer, retry;
 //! * [`access`] — client addresses, proxy authentication, loops, and the destination
@@ -38,6 +40,7 @@ pub mod admin;
 pub mod body;
 pub mod classify;
 pub mod config;
+pub mod connection;
 pub mod descriptors;
 pub mod error;
 pub mod host;
