@@ -25,6 +25,19 @@ pub enum Kind {
     Tunnel,
     /// Origin-form request matched by a `[[route]]`.
     Route,
+    /// A request sent inside an intercepted CONNECT tunnel.
+    Inside,
+}
+
+/// An intercepted tunnel, as the requests inside it see it: where they all go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inside {
+    /// The CONNECT's host, canonical.
+    pub host: String,
+    /// The CONNECT's port.
+    pub port: u16,
+    /// `https` when the client spoke TLS inside, `http` when plain HTTP.
+    pub scheme: Scheme,
 }
 
 /// Where a request is going, decided once.
@@ -91,6 +104,63 @@ impl Classifier {
             }
         }
         self.route(req)
+    }
+
+    /// Decides where a request sent inside the intercepted tunnel `inside` goes: always
+    /// to the tunnel's host and port, whatever its head says, and its URI made absolute
+    /// (`https://host/path`) so the rest of the path treats it as a forward request. A
+    /// request naming another host (in `Host` or its URI) is refused with `421`: the
+    /// client opened the tunnel, and got a certificate, for one host only.
+    pub fn inside<B>(req: &mut Request<B>, inside: &Inside) -> Result<Target, ProxyError> {
+        if req.method() == Method::CONNECT {
+            return Err(ProxyError::BadRequest(
+                "CONNECT inside a CONNECT tunnel is not supported".into(),
+            ));
+        }
+        // HTTP/2 names the host in `:authority` (the URI), HTTP/1.1 in `Host`.
+        let named = match req.uri().authority() {
+            Some(authority) => Some(authority.clone()),
+            None => match req.headers().get(http::header::HOST) {
+                Some(host) => Some(
+                    Authority::try_from(host.as_bytes())
+                        .map_err(|_| ProxyError::BadRequest(format!("bad Host {host:?}")))?,
+                ),
+                None => None,
+            },
+        };
+        if let Some(named) = named {
+            if crate::host::canonical(named.host()).as_deref() != Some(inside.host.as_str()) {
+                return Err(ProxyError::Misdirected {
+                    named: named.host().to_string(),
+                    tunnel: inside.host.clone(),
+                });
+            }
+        }
+        let authority = if inside.port == default_port(&inside.scheme) {
+            inside.host.clone()
+        } else {
+            format!("{}:{}", inside.host, inside.port)
+        };
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(inside.scheme.clone());
+        parts.authority = Some(
+            Authority::try_from(authority)
+                .map_err(|e| ProxyError::BadRequest(format!("bad authority: {e}")))?,
+        );
+        parts.path_and_query = Some(
+            req.uri()
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        );
+        *req.uri_mut() =
+            Uri::from_parts(parts).map_err(|e| ProxyError::BadRequest(format!("bad URI: {e}")))?;
+        Ok(Target {
+            kind: Kind::Inside,
+            host: inside.host.clone(),
+            port: inside.port,
+            limit: None,
+        })
     }
 
     fn tunnel(&self, uri: &Uri) -> Result<Target, ProxyError> {

@@ -56,6 +56,14 @@ pub enum ProxyError {
         /// The request's `Via` header.
         via: String,
     },
+    /// A request inside an intercepted tunnel names another host than the tunnel's.
+    #[error("this tunnel was opened to {tunnel}, and the request names {named}: open a tunnel to {named} for it")]
+    Misdirected {
+        /// The host the request names.
+        named: String,
+        /// The host the tunnel was opened to.
+        tunnel: String,
+    },
     /// The upstream host name did not resolve.
     #[error("could not resolve {host}: {reason}")]
     Dns {
@@ -177,6 +185,7 @@ impl ProxyError {
         match self {
             BadRequest(_) => StatusCode::BAD_REQUEST,
             RequestBodyIdle { .. } => StatusCode::REQUEST_TIMEOUT,
+            Misdirected { .. } => StatusCode::MISDIRECTED_REQUEST,
             NoRoute { .. } => StatusCode::NOT_FOUND,
             PortNotAllowed { .. } | DestinationDenied { .. } | ClientDenied { .. } => {
                 StatusCode::FORBIDDEN
@@ -196,7 +205,7 @@ impl ProxyError {
     pub fn proxy_status_error(&self) -> &'static str {
         use ProxyError::*;
         match self {
-            BadRequest(_) | RequestBodyIdle { .. } => "http_request_error",
+            BadRequest(_) | RequestBodyIdle { .. } | Misdirected { .. } => "http_request_error",
             NoRoute { .. } => "destination_not_found",
             PortNotAllowed { .. } | ProxyAuthRequired | ClientDenied { .. } => {
                 "http_request_denied"

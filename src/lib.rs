@@ -5,8 +5,10 @@
 //!
 //! The modules in the order a request meets them:
 //!
-//! * [`server`] — accepts client connections (HTTP/1.1, h2, CONNECT upgrades) and
-//!   drains them on shutdown;
+//! * [`server`] — accepts client connections, one thread per core, and drains them
+//!   on shutdown;
+//! * [`connection`] — serves one: HTTP/1.1 or h2, CONNECT upgrades, and intercepted
+//!   tunnels as connections of their own;
 //! * [`proxy`] — the whole path of one request, on one screen: check access, classify,
 //!   wait in the group, send, judge the answer, retry;
 //! * [`access`] — client addresses, proxy authentication, loops, and the destination
@@ -16,6 +18,8 @@
 //! * [`limit`] — groups: the FIFO queue, the rate (GCRA, in memory or in Redis), the
 //!   pause and concurrency permits;
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
+//! * [`intercept`] — or, for hosts in `[intercept]`, serve the tunnel with a
+//!   certificate for its host, so each request inside goes through this path again;
 //! * [`upstream`] — pooled hyper connections over rustls, timeouts, hop-by-hop headers;
 //! * [`pushback`] — judges the upstream's answer: 429/`Retry-After` and rate-limit
 //!   headers ([`retry_after`], [`ratelimit_headers`]) pause the group, and refused
@@ -37,9 +41,11 @@ pub mod admin;
 pub mod body;
 pub mod classify;
 pub mod config;
+pub mod connection;
 pub mod descriptors;
 pub mod error;
 pub mod host;
+pub mod intercept;
 pub mod limit;
 pub mod metrics;
 pub mod path;

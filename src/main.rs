@@ -42,6 +42,22 @@ enum Command {
         /// The file to check.
         file: PathBuf,
     },
+    /// The CA that signs certificates for intercepted hosts (`[intercept]`).
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Make a new CA: writes DIR/ca.pem and DIR/ca-key.pem (mode 0600), and prints how
+    /// to make clients trust it.
+    Init {
+        /// Where to write the two files (made if missing; existing files are kept).
+        #[arg(long)]
+        dir: PathBuf,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -62,6 +78,12 @@ fn main() -> ExitCode {
     // First, while this is the only thread (see `descriptors` for why).
     let descriptors = tollgate::descriptors::prepare();
     let cli = Cli::parse();
+    if let Some(Command::Ca {
+        command: CaCommand::Init { dir },
+    }) = &cli.command
+    {
+        return ca_init(dir);
+    }
     init_logging(cli.log_format);
     tracing::debug!(
         limit = ?descriptors.limit,
@@ -89,7 +111,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode {
     let path = match &cli.command {
         Some(Command::CheckConfig { file }) => file,
-        None => &cli.config,
+        _ => &cli.config,
     };
     let mut config = match Config::load(path) {
         Ok(config) => config,
@@ -141,6 +163,46 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
             ExitCode::from(EXIT_BAD_CONFIG)
         }
     }
+}
+
+/// `tollgate ca init`: writes a new CA and says how to trust it.
+fn ca_init(dir: &std::path::Path) -> ExitCode {
+    let (cert, key) = match tollgate::intercept::init(dir) {
+        Ok(paths) => paths,
+        Err(e) => {
+            eprintln!("tollgate: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (cert, key) = (cert.display(), key.display());
+    println!(
+        "\
+wrote {cert} (the CA certificate: give it to clients)
+  and {key} (its private key: readable by tollgate alone; keep it secret)
+
+In config.toml:
+
+  [intercept]
+  ca_cert = \"{cert}\"
+  ca_key  = \"{key}\"
+
+Make the clients that use tollgate as HTTPS_PROXY trust the CA:
+
+  curl                   curl --cacert {cert} ...   or  CURL_CA_BUNDLE={cert}
+  Python requests        REQUESTS_CA_BUNDLE={cert}
+  Python stdlib, httpx,  SSL_CERT_FILE={cert}
+    aiohttp
+  Node.js                NODE_EXTRA_CA_CERTS={cert}
+  Java                   keytool -importcert -alias tollgate -file {cert} \\
+                           -keystore $JAVA_HOME/lib/security/cacerts
+  Debian/Ubuntu (all)    cp {cert} /usr/local/share/ca-certificates/tollgate.crt \\
+                           && update-ca-certificates
+
+REQUESTS_CA_BUNDLE, SSL_CERT_FILE and CURL_CA_BUNDLE replace the usual trust store: to
+reach hosts tollgate does not intercept too, point them at a bundle that holds both
+(e.g. cat /etc/ssl/certs/ca-certificates.crt {cert} > bundle.pem)."
+    );
+    ExitCode::SUCCESS
 }
 
 /// Warns when a group's `queue` could hold more requests than the process may open

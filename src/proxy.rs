@@ -4,10 +4,13 @@
 //! Proxy::handle
 //!   0. access        the client's address, its proxy credentials, a loop
 //!   1. classify      where it goes (forward, route, tunnel) and whose budget it spends
-//!   2. tunnel        CONNECT: wait in the group, then open it (permit held while open)
+//!   2. tunnel        CONNECT: wait in the group, then open it (permit held while open);
+//!                    or, to an intercepted host, answer it and serve what comes
+//!                    through as requests of their own (they start again at 1)
 //!   3. forward       read the body into memory when small, so it can be replayed;
 //!   4.               wait in the group → send upstream → judge the answer:
 //!                    done, or paused and sent again at the head of the queue
+//!                    (a switch of protocols, WebSocket, is sent once and relayed)
 //! ```
 //!
 //! Every step returns a [`ProxyError`] on failure, and [`Proxy::handle`], the only
@@ -30,9 +33,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::access::Access;
 use crate::body::{self, Body};
-use crate::classify::{Classifier, Kind, Target};
+use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
+use crate::intercept::Intercept;
 use crate::limit::{Group, Limits, Permit, Redis, Store};
 use crate::metrics::Metrics;
 use crate::pushback::{self, Replayable};
@@ -50,6 +54,8 @@ pub struct Proxy {
     redis: Option<Arc<Redis>>,
     upstream: Upstream,
     dialer: Dialer,
+    /// Which CONNECT tunnels are decrypted (`[intercept]`).
+    intercept: Option<Intercept>,
     tunnels: TaskTracker,
     /// Cancelled when shutdown's grace is over: open tunnels close.
     cut: CancellationToken,
@@ -90,7 +96,15 @@ impl Proxy {
             })?;
         let replay_memory =
             crate::replay::ReplayMemory::new(config.proxy.replay_memory.0, Some(&metrics));
+        let intercept = match &config.intercept {
+            Some(intercept) => Some(Intercept::new(intercept).map_err(|e| ConfigError::Other {
+                file: "intercept".into(),
+                message: e.to_string(),
+            })?),
+            None => None,
+        };
         Ok(Proxy {
+            intercept,
             access,
             classifier: Classifier::new(config),
             limits,
@@ -106,8 +120,9 @@ impl Proxy {
         })
     }
 
-    /// Serves one request from `client`, connected to `local`. Never fails: an error is
-    /// answered with its own response.
+    /// Serves one request from `client`, connected to `local` (and sent `inside` an
+    /// intercepted tunnel, if it was). Never fails: an error is answered with its own
+    /// response.
     ///
     /// The request is classified before the future is built, and kept in a box: hyper
     /// holds this future in the client's connection for as long as the request waits,
@@ -117,6 +132,7 @@ impl Proxy {
         req: Request<Incoming>,
         local: SocketAddr,
         client: SocketAddr,
+        inside: Option<&Inside>,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
         // A CONNECT's body is its tunnel, which may idle as long as it likes.
@@ -125,17 +141,24 @@ impl Proxy {
             false => req.map(|b| body::idle_limited(b, self.body_idle)),
         };
         // 0. Who asks, and whether it came round again (a password is checked below).
-        let checked = self.access.check(client, req.headers());
-        let classified = self.classify(req, local).map(Box::new);
+        // Inside a tunnel, the CONNECT that opened it was checked.
+        let checked = match inside {
+            None => self.access.check(client, req.headers()),
+            Some(_) => Ok(crate::access::Check::Passed(None)),
+        };
+        let classified = self.classify(req, local, inside).map(Box::new);
         async move {
             let answered = match (checked, classified) {
                 (Err(e), classified) => Err(answered_early(e, classified)),
                 (Ok(check), classified) => match (check.user().await, classified) {
                     (Err(e), classified) => Err(answered_early(e, classified)),
                     (Ok(_), Err(e)) => Err(e),
-                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => {
-                        self.tunnel(to, arrived).await
-                    }
+                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => match &self.intercept {
+                        Some(i) if i.covers(&to.target.host, to.target.port) => {
+                            self.open_intercepted(to)
+                        }
+                        _ => self.tunnel(to, arrived).await,
+                    },
                     (Ok(_), Ok(to)) => self.forward(to, arrived).await,
                 },
             };
@@ -151,8 +174,12 @@ impl Proxy {
         &self,
         mut req: Request<Body>,
         local: SocketAddr,
+        inside: Option<&Inside>,
     ) -> Result<Classified, ProxyError> {
-        let target = self.classifier.classify(&mut req, local)?;
+        let target = match inside {
+            None => self.classifier.classify(&mut req, local)?,
+            Some(inside) => Classifier::inside(&mut req, inside)?,
+        };
         let group = self
             .limits
             .group_for(&target.host, target.port, target.limit.as_deref());
@@ -160,9 +187,11 @@ impl Proxy {
             .settings
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
+        let upgrade = crate::upstream::upgrade::requested(req.version(), req.headers());
         Ok(Classified {
             left: LeftEarly(Some(group.clone())),
             method: req.method().clone(),
+            upgrade,
             request: Replayable::new(req),
             target,
             group,
@@ -184,6 +213,20 @@ impl Proxy {
         open.await
     }
 
+    /// Step 2 for a CONNECT to an intercepted host: answered at once, for the server to
+    /// serve what comes through. A destination the policy refuses by name is refused
+    /// now; its addresses are checked as each request inside is sent.
+    fn open_intercepted(&self, mut to: Box<Classified>) -> Result<Response<Body>, ProxyError> {
+        // Not a request of its group: each one inside the tunnel is.
+        to.left.disarm();
+        self.dialer
+            .policy
+            .check_host(&to.target.host)
+            .map_err(|denial| ProxyError::DestinationDenied { denial })?;
+        tracing::debug!(host = %to.target.host, port = to.target.port, "tunnel intercepted");
+        Ok(tunnel::intercept(&to.target, to.request.attempt(0)))
+    }
+
     /// Steps 3 and 4: the body, read before the wait; then wait, send, judge, and
     /// again while the upstream pushes back and time is left.
     async fn forward(
@@ -197,8 +240,17 @@ impl Proxy {
             request,
             group,
             cost,
+            upgrade,
             ..
         } = &mut *to;
+        // A switch of protocols (WebSocket) is one request of its group, not replayed;
+        // its permit is held while the switched connection is open.
+        if let Some(protocol) = upgrade.take() {
+            left.disarm();
+            let permit = self.admit(group, *cost, arrived, false).await?;
+            let switching = self.upstream.switching(&self.tunnels, &self.cut);
+            return Box::pin(switching.send(request.attempt(0), protocol, permit)).await;
+        }
         let memory = &self.replay_memory;
         let read = request.read_body(group.settings.max_replay_body, memory);
         // A body that fails (its client left, or stalled) is counted as `cancelled`.
@@ -224,6 +276,11 @@ impl Proxy {
         if let Some(redis) = &self.redis {
             redis.spawn_maintenance();
         }
+    }
+
+    /// TLS interception, when `[intercept]` is configured.
+    pub fn intercept(&self) -> Option<&Intercept> {
+        self.intercept.as_ref()
     }
 
     /// The groups, for the admin endpoints.
@@ -280,6 +337,8 @@ struct Classified {
     left: LeftEarly,
     method: http::Method,
     request: Replayable,
+    /// The protocol it asks to switch to (`Upgrade`), if any.
+    upgrade: Option<http::HeaderValue>,
     target: Target,
     group: Arc<Group>,
     cost: u32,

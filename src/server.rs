@@ -2,42 +2,27 @@
 //!
 //! One thread per core, each with a single-threaded runtime and a listening socket of
 //! its own on the proxy's address ([`run`] says why). Each connection is a task on the
-//! thread that accepted it. It speaks HTTP/1.1 with keep-alive (and
-//! upgrades, so CONNECT can take it over), or HTTP/2 when the client opens with its
-//! preface (prior knowledge). Every request is [`Proxy::handle`]'s, whatever its
-//! version or its place on the connection.
+//! thread that accepted it, served by [`crate::connection`].
 //!
 //! Shutdown: stop accepting, ask every connection to finish the request in hand and
 //! close (HTTP/1 closes after the response, HTTP/2 sends GOAWAY), wait for them and the
 //! open tunnels for up to `shutdown_grace`; then answer every request still queued
 //! `503` ([`crate::shutdown`]), and close whatever is left.
 
-use std::borrow::Cow;
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, Request};
-use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::time::Instant;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{self, Holding};
 use crate::config::{Config, ConfigError};
+use crate::connection::{Client, Protocols};
 use crate::proxy::Proxy;
-use crate::tunnel::KeepWhileOpen;
-
-/// At shutdown, how long a new connection that has sent nothing yet may take to show
-/// its first bytes before it is closed (a request already under way is served).
-const FIRST_BYTES_AT_SHUTDOWN: Duration = Duration::from_millis(250);
 
 /// Once shutdown's grace is over, how long the queued requests' `503` answers may take
 /// to go out before every connection still open is closed: twice this is how far past
@@ -276,9 +261,13 @@ async fn serve(
             protocols: settings.protocols.clone(),
             local,
             remote,
+            inside: None,
+            connections: connections.clone(),
+            drain: drain.clone(),
+            cut: cut.clone(),
             first_byte: None,
         };
-        connections.spawn(client.serve(stream, drain.clone(), cut.clone()));
+        connections.spawn(client.serve(stream));
     }
     drop(listener);
 
@@ -319,253 +308,4 @@ async fn serve(
         let _ = tokio::time::timeout(ANSWER_AT_SHUTDOWN, drained()).await;
     }
     tick.abort();
-}
-
-/// The two HTTP versions a client may speak, configured once.
-struct Protocols {
-    http1: http1::Builder,
-    http2: http2::Builder<TokioExecutor>,
-    /// `client_header_timeout`: how long a new connection may take to show which
-    /// version it speaks, and how long an HTTP/2 connection may go without a request.
-    header_timeout: Duration,
-}
-
-/// One accepted client connection.
-struct Client {
-    proxy: Arc<Proxy>,
-    protocols: Arc<Protocols>,
-    /// The address the client connected to (transparent routes depend on it).
-    local: SocketAddr,
-    remote: SocketAddr,
-    /// When the first head's first byte came, as the version check saw it.
-    first_byte: Option<Instant>,
-}
-
-/// What every HTTP/2 connection opens with (RFC 9113 §3.4).
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-impl Client {
-    /// Serves the connection with the HTTP version its first bytes show, until it ends,
-    /// `drain` asks it to finish (it then closes after the requests in hand), or `cut`.
-    async fn serve(mut self, stream: TcpStream, drain: CancellationToken, cut: CancellationToken) {
-        let remote = self.remote;
-        let h2 = tokio::select! {
-            h2 = tokio::time::timeout(self.protocols.header_timeout, speaks_h2(&stream)) => h2,
-            // A connection accepted just before shutdown may have its request on the way:
-            // it is served if its first bytes come soon after the drain begins.
-            () = async {
-                drain.cancelled().await;
-                tokio::time::sleep(FIRST_BYTES_AT_SHUTDOWN).await;
-            } => return,
-            () = cut.cancelled() => return,
-        };
-        let ended = match h2 {
-            // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
-            // it would size every connection's task.
-            Ok(Ok((true, _))) => Box::pin(self.serve_http2(stream, &drain, &cut)).await,
-            Ok(Ok((false, first_byte))) => {
-                self.first_byte = Some(first_byte);
-                self.serve_http1(stream, &drain, &cut).await
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(%remote, error = %e, "client connection failed");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(%remote, "client sent no request");
-                return;
-            }
-        };
-        match ended {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                tracing::debug!(%remote, error = %e, "client connection ended with an error")
-            }
-            None => tracing::debug!(%remote, "connection cut at shutdown"),
-        }
-    }
-
-    async fn serve_http1(
-        self,
-        stream: TcpStream,
-        drain: &CancellationToken,
-        cut: &CancellationToken,
-    ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
-        let service = service_fn(move |req: Request<Incoming>| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req, local, remote).await) }
-        });
-        let conn = http1_for(&self.protocols, self.first_byte)
-            .serve_connection(TokioIo::new(stream), service)
-            .with_upgrades();
-        until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut).await
-    }
-
-    /// hyper's HTTP/2 server has no header timeout, so `client_header_timeout` is kept
-    /// here: once no request has been open on the connection for that long, it is
-    /// closed gracefully (GOAWAY), as HTTP/1 closes an idle keep-alive connection, and
-    /// dropped if the client still holds it idle after as long again.
-    async fn serve_http2(
-        self,
-        stream: TcpStream,
-        drain: &CancellationToken,
-        cut: &CancellationToken,
-    ) -> Option<Result<(), hyper::Error>> {
-        let (proxy, local, remote) = (self.proxy, self.local, self.remote);
-        let idle = Arc::new(Idle::new());
-        let service = {
-            let idle = idle.clone();
-            service_fn(move |mut req: Request<Incoming>| {
-                let proxy = proxy.clone();
-                let open = Arc::new(Idle::opened(&idle));
-                if req.method() == Method::CONNECT {
-                    // A tunnel is an open stream until it closes, long after its `200`.
-                    req.extensions_mut().insert(KeepWhileOpen(open.clone()));
-                }
-                async move {
-                    let response = proxy.handle(req, local, remote).await;
-                    // The stream is open until its response body has been sent.
-                    Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, open))))
-                }
-            })
-        };
-        let conn = self
-            .protocols
-            .http2
-            .serve_connection(TokioIo::new(stream), service);
-        // Its own drain token, so that an idle close does not touch other connections.
-        let drain = drain.child_token();
-        let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), cut);
-        let limit = self.protocols.header_timeout;
-        let watch = async {
-            idle.for_at_least(limit).await;
-            drain.cancel();
-            tokio::time::sleep(limit).await;
-            idle.for_at_least(limit).await;
-        };
-        tokio::select! {
-            ended = serving => ended,
-            () = watch => {
-                tracing::debug!("closed an idle HTTP/2 connection that ignored GOAWAY");
-                Some(Ok(()))
-            }
-        }
-    }
-}
-
-/// Whether the client opens with HTTP/2's preface, from its first bytes, peeked so
-/// that hyper reads them again. (hyper-util's `auto` connection reads them itself and
-/// hands them back in front of the socket, which grows hyper's read buffer on the
-/// first request of every connection.)
-///
-/// Also returns when the first byte was seen: the first head's budget starts there.
-async fn speaks_h2(stream: &TcpStream) -> std::io::Result<(bool, Instant)> {
-    let mut first = [0u8; H2_PREFACE.len()];
-    let mut pause = Duration::from_millis(5);
-    let mut first_byte = None;
-    loop {
-        let n = stream.peek(&mut first).await?;
-        let since = *first_byte.get_or_insert_with(Instant::now);
-        if n == 0 || !H2_PREFACE.starts_with(&first[..n]) {
-            return Ok((false, since));
-        }
-        if n == H2_PREFACE.len() {
-            return Ok((true, since));
-        }
-        // Part of the preface: peeking again at once would see the same bytes. A client
-        // that stalls there is looked at less and less often.
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(500));
-    }
-}
-
-/// The HTTP/1 settings for a connection whose first head began at `first_byte`.
-/// `client_header_timeout` is the whole budget of a head from its first byte, and
-/// hyper's timer starts only once the version check is done: a head that begins like
-/// HTTP/2's preface (`P`…, as POST, PUT and PATCH do) and trickles in has spent part of
-/// it already, so hyper gets what is left (for the rest of the connection too, which
-/// only a client trickling its first bytes ever sees).
-fn http1_for(protocols: &Protocols, first_byte: Option<Instant>) -> Cow<'_, http1::Builder> {
-    let spent = first_byte.map_or(Duration::ZERO, |at| at.elapsed());
-    if spent < Duration::from_millis(10) {
-        return Cow::Borrowed(&protocols.http1);
-    }
-    let mut http1 = protocols.http1.clone();
-    let left = protocols.header_timeout.saturating_sub(spent);
-    http1.header_read_timeout(left.max(Duration::from_millis(1)));
-    Cow::Owned(http1)
-}
-
-/// How many requests are open on one HTTP/2 connection, and since when none has been.
-struct Idle(Mutex<(usize, Instant)>);
-
-/// One open request of an [`Idle`]-watched connection; closing it is dropping it.
-struct OpenRequest(Arc<Idle>);
-
-impl Idle {
-    fn new() -> Idle {
-        Idle(Mutex::new((0, Instant::now())))
-    }
-
-    fn lock(&self) -> MutexGuard<'_, (usize, Instant)> {
-        // Two plain numbers: valid after any panic of a holder.
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn opened(this: &Arc<Idle>) -> OpenRequest {
-        this.lock().0 += 1;
-        OpenRequest(this.clone())
-    }
-
-    /// Resolves once no request has been open for `limit`.
-    async fn for_at_least(&self, limit: Duration) {
-        loop {
-            let (open, since) = *self.lock();
-            let wake = match open {
-                0 if since.elapsed() >= limit => return,
-                0 => since + limit,
-                // Busy: look again later (it cannot go idle for `limit` sooner).
-                _ => Instant::now() + limit,
-            };
-            tokio::time::sleep_until(wake).await;
-        }
-    }
-}
-
-impl Drop for OpenRequest {
-    fn drop(&mut self) {
-        let mut state = self.0.lock();
-        state.0 -= 1;
-        if state.0 == 0 {
-            state.1 = Instant::now();
-        }
-    }
-}
-
-/// Drives a hyper connection to its end; when `drain` completes first, starts its
-/// graceful shutdown (`shut`) and goes on; `None` when `cut` closed it.
-async fn until_closed<C, E>(
-    conn: C,
-    shut: impl FnOnce(Pin<&mut C>),
-    drain: impl Future<Output = ()>,
-    cut: &CancellationToken,
-) -> Option<Result<(), E>>
-where
-    C: Future<Output = Result<(), E>>,
-{
-    tokio::pin!(conn);
-    tokio::select! {
-        // The connection first: hyper closes one it is told to shut down before it has
-        // read anything, so its first poll must read a request that is already there.
-        biased;
-        ended = conn.as_mut() => return Some(ended),
-        () = drain => shut(conn.as_mut()),
-    }
-    tokio::select! {
-        ended = conn => Some(ended),
-        _ = cut.cancelled() => None,
-    }
 }

@@ -28,6 +28,34 @@ use crate::upstream::Dialer;
 #[derive(Clone)]
 pub struct KeepWhileOpen(pub Arc<dyn Any + Send + Sync>);
 
+/// A CONNECT tollgate answered itself, to serve what the client sends through it
+/// (`[intercept]`). The proxy puts it in the `200`'s extensions; the server takes it out
+/// and serves the tunnel as a connection of its own once hyper hands it over.
+#[derive(Clone)]
+pub struct Intercepted {
+    /// The client's side of the tunnel, once the `200` has gone out.
+    pub on_upgrade: hyper::upgrade::OnUpgrade,
+    /// The CONNECT's host, canonical.
+    pub host: String,
+    /// The CONNECT's port.
+    pub port: u16,
+    /// The CONNECT request's [`KeepWhileOpen`], if any.
+    pub keep: Option<KeepWhileOpen>,
+}
+
+/// Answers a CONNECT to `target` with `200` and an [`Intercepted`] for the server.
+/// Nothing is dialled now: each request inside is, on its own.
+pub fn intercept(target: &Target, mut req: Request<Body>) -> Response<Body> {
+    let mut resp = Response::new(body::empty());
+    resp.extensions_mut().insert(Intercepted {
+        on_upgrade: hyper::upgrade::on(&mut req),
+        host: target.host.clone(),
+        port: target.port,
+        keep: req.extensions_mut().remove::<KeepWhileOpen>(),
+    });
+    resp
+}
+
 /// Dials the target, answers `200`, and spawns the copy loop on `tunnels`. `hold` is
 /// kept alive until the tunnel closes (the group's concurrency permit), and so
 /// is the request's [`KeepWhileOpen`], if any; `cut` closes the tunnel at once

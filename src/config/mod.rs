@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use toml::Spanned;
@@ -26,8 +26,8 @@ mod values;
 pub use external::{Place, Places};
 
 pub use tables::{
-    AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, LimitGroup,
-    OnBackendError, ProxyConfig, RouteConfig,
+    AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, InterceptConfig,
+    LimitGroup, OnBackendError, ProxyConfig, RouteConfig,
 };
 
 pub use values::{
@@ -52,6 +52,8 @@ pub struct Config {
     pub backend: BackendConfig,
     /// Where requests may go, and who may send them.
     pub access: AccessConfig,
+    /// Which CONNECT tunnels are decrypted; none when absent.
+    pub intercept: Option<InterceptConfig>,
     /// Where the settings naming files and servers were written, for their errors.
     pub places: Places,
 }
@@ -139,6 +141,50 @@ struct RawConfig {
     backend: Option<Spanned<BackendConfig>>,
     #[serde(default)]
     access: AccessConfig,
+    #[serde(default)]
+    intercept: Option<Spanned<RawIntercept>>,
+}
+
+/// `[intercept]` as written: the CA files are read and checked by [`RawConfig::check`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIntercept {
+    ca_cert: Spanned<PathBuf>,
+    ca_key: Spanned<PathBuf>,
+    hosts: Option<Vec<HostPattern>>,
+    #[serde(default)]
+    bypass: Vec<HostPattern>,
+}
+
+impl RawIntercept {
+    /// Loads the CA (a file error points at the key that names the file) and resolves
+    /// the hosts: every `[[limit]]` host unless `hosts` is written.
+    fn resolve(
+        self,
+        span: Range<usize>,
+        limits: &[LimitGroup],
+    ) -> Result<InterceptConfig, Located> {
+        use crate::intercept::{Ca, CaError};
+        let ca = Ca::load(self.ca_cert.get_ref(), self.ca_key.get_ref()).map_err(|e| match e {
+            CaError::Key(message) => (self.ca_key.span(), format!("ca_key: {message}")),
+            e => (self.ca_cert.span(), format!("ca_cert: {e}")),
+        })?;
+        let hosts = self
+            .hosts
+            .unwrap_or_else(|| limits.iter().flat_map(|l| l.hosts.clone()).collect());
+        if hosts.is_empty() {
+            return Err((
+                span,
+                "[intercept] has no hosts to decrypt: list them in hosts, or add [[limit]] groups"
+                    .into(),
+            ));
+        }
+        Ok(InterceptConfig {
+            ca: std::sync::Arc::new(ca),
+            hosts,
+            bypass: self.bypass,
+        })
+    }
 }
 
 /// A `[defaults]` or `[[limit]]` table as written: every key optional, so a `[[limit]]`
@@ -340,7 +386,15 @@ impl RawConfig {
                 }
             }
         }
+        let intercept = match self.intercept {
+            Some(raw) => {
+                let span = raw.span();
+                Some(raw.into_inner().resolve(span, &limits)?)
+            }
+            None => None,
+        };
         Ok(Config {
+            intercept,
             proxy: self.proxy,
             routes: self.route.into_iter().map(Spanned::into_inner).collect(),
             defaults,
@@ -583,5 +637,58 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.defaults.queue, MAX_QUEUE);
+    }
+
+    #[test]
+    fn intercept_loads_its_ca_and_points_at_the_bad_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = crate::intercept::init(dir.path()).unwrap();
+        let other = tempfile::tempdir().unwrap();
+        let (_, other_key) = crate::intercept::init(other.path()).unwrap();
+        let table = |cert: &Path, key: &Path, rest: &str| {
+            format!(
+                "[[limit]]\nname = \"gh\"\nhosts = [\"api.github.com\"]\n\n[intercept]\nca_cert = {:?}\nca_key = {:?}\n{rest}",
+                cert.display().to_string(),
+                key.display().to_string()
+            )
+        };
+        // Every [[limit]] host unless hosts is written.
+        let c = Config::parse(&table(&cert, &key, ""), "t.toml").unwrap();
+        let i = c.intercept.unwrap();
+        assert_eq!(i.hosts, [HostPattern::Exact("api.github.com".into())]);
+        let c = Config::parse(
+            &table(
+                &cert,
+                &key,
+                "hosts = [\"*.stripe.com\"]\nbypass = [\"x.stripe.com\"]",
+            ),
+            "t.toml",
+        )
+        .unwrap();
+        let i = c.intercept.unwrap();
+        assert_eq!(i.hosts, [HostPattern::Suffix(".stripe.com".into())]);
+        assert_eq!(i.bypass, [HostPattern::Exact("x.stripe.com".into())]);
+
+        let e = err(&table(&cert, &other_key, ""));
+        assert!(
+            e.starts_with("t.toml:7:10: ca_key: this key does not belong"),
+            "{e}"
+        );
+        let e = err(&table(&dir.path().join("missing.pem"), &key, ""));
+        assert!(e.starts_with("t.toml:6:11: ca_cert: cannot read"), "{e}");
+        let e = err(&table(&key, &key, ""));
+        assert!(
+            e.starts_with("t.toml:6:11: ca_cert: no PEM certificate"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[intercept]\nca_cert = {:?}\nca_key = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ));
+        assert!(
+            e.starts_with("t.toml:1:1:") && e.contains("no hosts to decrypt"),
+            "{e}"
+        );
     }
 }

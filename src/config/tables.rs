@@ -5,6 +5,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -175,6 +176,18 @@ pub struct AccessConfig {
     pub users: Option<PathBuf>,
     /// Client addresses that may use the proxy; any when empty.
     pub clients: Vec<ClientRange>,
+}
+
+/// `[intercept]`: CONNECT tunnels to these hosts are decrypted, so that every request
+/// inside them is limited on its own.
+#[derive(Debug, Clone)]
+pub struct InterceptConfig {
+    /// The CA that signs a certificate for each intercepted host; checked at load.
+    pub ca: Arc<crate::intercept::Ca>,
+    /// Hosts whose tunnels are decrypted (every `[[limit]]` host when not written).
+    pub hosts: Vec<HostPattern>,
+    /// Hosts never decrypted, whatever `hosts` says (clients that pin certificates).
+    pub bypass: Vec<HostPattern>,
 }
 
 /// `[admin]`: the listener for metrics and status, kept apart from proxied traffic.

@@ -31,6 +31,7 @@ use crate::error::{ProxyError, PROXY_NAME};
 use pool::Pool;
 
 mod pool;
+pub mod upgrade;
 
 /// Headers that describe one connection, not the message; never forwarded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [HeaderName; 7] = [
@@ -261,16 +262,21 @@ pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String
 pub struct Upstream {
     pool: Pool,
     response_timeout: Duration,
+    dialer: Dialer,
+    /// TLS for connections that switch protocols: HTTP/1.1 alone by ALPN.
+    http1_tls: Arc<rustls::ClientConfig>,
 }
 
 impl Upstream {
     /// Builds the connector and an empty pool from the `[proxy]` settings.
     pub fn new(config: &ProxyConfig, dialer: Dialer) -> Result<Self, String> {
+        let mut http1_tls = tls_config(config.ca_file.as_deref())?;
+        http1_tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         let tls = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls_config(config.ca_file.as_deref())?)
             .https_or_http()
             .enable_all_versions()
-            .wrap_connector(dialer);
+            .wrap_connector(dialer.clone());
         let connector = Connector {
             tls,
             timeout: config.connect_timeout.0,
@@ -282,7 +288,25 @@ impl Upstream {
                 config.body_idle_timeout.0,
             ),
             response_timeout: config.response_timeout.0,
+            dialer,
+            http1_tls: Arc::new(http1_tls),
         })
+    }
+
+    /// How requests that ask to switch protocols are sent; the switched connections
+    /// run on `tasks` and close on `cut`.
+    pub fn switching<'a>(
+        &'a self,
+        tasks: &'a tokio_util::task::TaskTracker,
+        cut: &'a tokio_util::sync::CancellationToken,
+    ) -> upgrade::Switching<'a> {
+        upgrade::Switching {
+            dialer: &self.dialer,
+            tls: &self.http1_tls,
+            tasks,
+            cut,
+            response_timeout: self.response_timeout,
+        }
     }
 
     /// Sends one request whose URI is absolute (`http(s)://host/...`) and returns the
@@ -327,9 +351,9 @@ impl Upstream {
 }
 
 /// Why an upstream's response head cannot be passed on, if it cannot: it would be
-/// framed two ways (RFC 9112 §6.3 calls that a smuggling risk), or it is an upgrade
-/// tollgate never asked for (upgrade headers are hop-by-hop: none goes upstream), which
-/// an HTTP/2 client's connection cannot even carry.
+/// framed two ways (RFC 9112 §6.3 calls that a smuggling risk), or it switches
+/// protocols for a request that asked for no switch (those that do take
+/// [`Upstream::switching`]), which an HTTP/2 client's connection cannot even carry.
 pub fn malformed(status: StatusCode, headers: &HeaderMap) -> Option<&'static str> {
     if status.is_informational() {
         return Some("an interim (1xx) status as the final answer, or an unrequested upgrade");

@@ -800,7 +800,7 @@ impl TestCa {
         ];
         leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let cert = leaf
-            .signed_by(&key, &ca_cert, &ca_key)
+            .signed_by(&key, &rcgen::Issuer::from_params(&ca, &ca_key))
             .expect("server certificate");
 
         let dir = tempfile::tempdir().expect("tempdir");

@@ -1,0 +1,191 @@
+//! TLS interception: a CONNECT to a host in `[intercept] hosts` is answered `200`, and
+//! what the client sends through the tunnel is served by tollgate itself, so that each
+//! request inside is limited on its own rather than the tunnel once.
+//!
+//! The client's first byte tells TLS (a handshake record, `0x16`) from plain HTTP (a
+//! method's first letter: Node's undici sends `http://` URLs through CONNECT too).
+//! TLS is served with a leaf certificate for the tunnel's host, signed by the
+//! operator's CA ([`Leaves`]); ALPN offers h2 and HTTP/1.1. The decrypted requests
+//! then take the same path as a forward request (`server.rs` serves the connection,
+//! [`crate::proxy::Proxy::handle`] each request), so limits, push-back, errors and
+//! metrics are the same. Upstream TLS is verified as for any `https://` request: a
+//! certificate tollgate does not trust is a `502`, never a pass.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use http::uri::Scheme;
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
+use rustls::AlertDescription;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
+
+use crate::config::{HostPattern, InterceptConfig};
+
+mod ca;
+
+pub use ca::{init, Ca, CaError, Leaves, LEAF_CACHE, LEAF_VALIDITY};
+
+/// Which tunnels are decrypted, and the certificates to do it with.
+pub struct Intercept {
+    hosts: Vec<HostPattern>,
+    bypass: Vec<HostPattern>,
+    leaves: Leaves,
+    /// Hosts whose clients refused tollgate's certificate, each logged once.
+    untrusted: Mutex<HashSet<String>>,
+}
+
+/// A byte stream a decrypted (or plain) tunnel is served over.
+pub trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
+
+/// A tunnel ready to be served as HTTP.
+pub struct Accepted {
+    /// What the client sends, decrypted.
+    pub io: Box<dyn Stream>,
+    /// `https` when the client spoke TLS, `http` when it sent plain HTTP.
+    pub scheme: Scheme,
+    /// Whether the client chose h2 by ALPN.
+    pub h2: bool,
+}
+
+impl Intercept {
+    /// Interception as configured; makes the key every leaf shares.
+    pub fn new(config: &InterceptConfig) -> Result<Intercept, CaError> {
+        Ok(Intercept {
+            hosts: config.hosts.clone(),
+            bypass: config.bypass.clone(),
+            leaves: Leaves::new(config.ca.clone())?,
+            untrusted: Mutex::default(),
+        })
+    }
+
+    /// Whether a CONNECT to `host` (canonical) on `port` is decrypted.
+    pub fn covers(&self, host: &str, port: u16) -> bool {
+        covers(&self.hosts, &self.bypass, host, port)
+    }
+
+    /// The leaf certificates, for the admin endpoints.
+    pub fn leaves(&self) -> &Leaves {
+        &self.leaves
+    }
+
+    /// Reads the client's first byte from the opened tunnel to `host` and, for TLS,
+    /// completes the handshake within `within`. `None` when the client left or failed the
+    /// handshake (logged).
+    pub async fn accept(&self, tunnel: Upgraded, host: &str, within: Duration) -> Option<Accepted> {
+        // A buffer of a few bytes is enough to look at the first one; larger reads pass
+        // it by once it is empty.
+        let mut io = BufReader::with_capacity(16, TokioIo::new(tunnel));
+        let first = match tokio::time::timeout(within, io.fill_buf()).await {
+            Ok(Ok([first, ..])) => *first,
+            Ok(Ok([])) => return None,
+            Ok(Err(e)) => {
+                tracing::debug!(host, error = %e, "intercepted tunnel failed");
+                return None;
+            }
+            Err(_) => {
+                tracing::debug!(host, "intercepted tunnel sent nothing");
+                return None;
+            }
+        };
+        // A TLS handshake record; anything else is taken for HTTP/1.
+        if first != 0x16 {
+            return Some(Accepted {
+                io: Box::new(io),
+                scheme: Scheme::HTTP,
+                h2: false,
+            });
+        }
+        let config = match self.leaves.server_config(host) {
+            Ok(config) => config,
+            Err(e) => {
+                tracing::error!(host, error = %e, "cannot make a certificate");
+                return None;
+            }
+        };
+        let handshake = tokio_rustls::TlsAcceptor::from(config).accept(io);
+        let tls = match tokio::time::timeout(within, handshake).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                self.handshake_failed(host, &e);
+                return None;
+            }
+            Err(_) => {
+                tracing::debug!(host, "TLS handshake inside the tunnel timed out");
+                return None;
+            }
+        };
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        Some(Accepted {
+            io: Box::new(tls),
+            scheme: Scheme::HTTPS,
+            h2,
+        })
+    }
+
+    /// Logs a failed handshake: once per host, with a hint, when the client refused
+    /// tollgate's certificate (the usual first-run mistake); at debug level otherwise.
+    fn handshake_failed(&self, host: &str, e: &std::io::Error) {
+        let alert = e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+        let refused = matches!(
+            alert,
+            Some(rustls::Error::AlertReceived(
+                AlertDescription::UnknownCA
+                    | AlertDescription::BadCertificate
+                    | AlertDescription::CertificateUnknown
+                    | AlertDescription::UnsupportedCertificate
+            ))
+        );
+        if !refused {
+            tracing::debug!(host, error = %e, "TLS handshake inside the tunnel failed");
+            return;
+        }
+        let mut untrusted = self.untrusted.lock().unwrap_or_else(|p| p.into_inner());
+        if untrusted.len() < LEAF_CACHE && untrusted.insert(host.to_string()) {
+            tracing::warn!(
+                host,
+                error = %e,
+                "client does not trust tollgate's CA: see `tollgate ca init` for how to \
+                 trust it, or add the host to [intercept] bypass"
+            );
+        }
+    }
+}
+
+/// Whether `host` on `port` is in `hosts` and not in `bypass`.
+fn covers(hosts: &[HostPattern], bypass: &[HostPattern], host: &str, port: u16) -> bool {
+    let matched = |patterns: &[HostPattern]| patterns.iter().any(|p| p.matches(host, port));
+    matched(hosts) && !matched(bypass)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_minus_bypass() {
+        let p = |s: &str| HostPattern::parse(s).unwrap();
+        let hosts = [p("api.github.com"), p("*.stripe.com"), p("127.0.0.1:8443")];
+        let bypass = [p("pinned.stripe.com")];
+        for (host, port, decrypted) in [
+            ("api.github.com", 443, true),
+            ("github.com", 443, false),
+            ("api.stripe.com", 443, true),
+            ("pinned.stripe.com", 443, false),
+            ("stripe.com", 443, false),
+            ("127.0.0.1", 8443, true),
+            ("127.0.0.1", 443, false),
+            ("example.com", 443, false),
+        ] {
+            assert_eq!(
+                covers(&hosts, &bypass, host, port),
+                decrypted,
+                "{host}:{port}"
+            );
+        }
+    }
+}
