@@ -26,6 +26,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Holding};
 use crate::classify::Inside;
+use crate::half_close::{HalfClose, Sending};
 use crate::proxy::Proxy;
 use crate::tunnel::{Intercepted, KeepWhileOpen};
 
@@ -61,6 +62,8 @@ pub(crate) struct Client {
     pub(crate) cut: CancellationToken,
     /// When the first head's first byte came, as the version check saw it.
     pub(crate) first_byte: Option<Instant>,
+    /// The requests of this HTTP/1 connection out upstream (see [`crate::half_close`]).
+    pub(crate) sending: Option<Arc<Sending>>,
 }
 
 /// What every HTTP/2 connection opens with (RFC 9113 §3.4).
@@ -87,7 +90,10 @@ impl Client {
             Ok(Ok((true, _))) => Box::pin(self.serve_http2(TokioIo::new(stream))).await,
             Ok(Ok((false, first_byte))) => {
                 self.first_byte = Some(first_byte);
-                self.serve_http1(TokioIo::new(stream)).await
+                let sending = Arc::new(Sending::default());
+                self.sending = Some(sending.clone());
+                self.serve_http1(TokioIo::new(HalfClose::new(stream, sending)))
+                    .await
             }
             Ok(Err(e)) => {
                 tracing::debug!(%remote, error = %e, "client connection failed");
@@ -171,7 +177,10 @@ impl Client {
     /// The proxy's answer to one request of this connection. When it opened an
     /// intercepted tunnel, what the client sends through it is served as a connection of
     /// its own, from when hyper hands the tunnel over.
-    async fn answer(&self, req: Request<Incoming>) -> Response<Body> {
+    async fn answer(&self, mut req: Request<Incoming>) -> Response<Body> {
+        if let Some(sending) = &self.sending {
+            req.extensions_mut().insert(sending.clone());
+        }
         let (local, remote, inside) = (self.local, self.remote, self.inside.as_deref());
         let mut response = self.proxy.handle(req, local, remote, inside).await;
         if let Some(tunnel) = response.extensions_mut().remove::<Intercepted>() {
@@ -214,8 +223,9 @@ impl Client {
         };
         let scheme = accepted.scheme;
         self.inside = Some(Arc::new(Inside { host, port, scheme }));
-        // Its heads have their own budget, from the start.
+        // Its heads have their own budget, from the start, and its end is the tunnel's.
         self.first_byte = None;
+        self.sending = None;
         let io = TokioIo::new(accepted.io);
         let ended = if accepted.h2 {
             Box::pin(self.serve_http2(io)).await

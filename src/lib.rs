@@ -9,6 +9,7 @@
 //!   on shutdown;
 //! * [`connection`] — serves one: HTTP/1.1 or h2, CONNECT upgrades, and intercepted
 //!   tunnels as connections of their own;
+//!   ([`half_close`]: a half-closed HTTP/1 client's request is never sent, or answered);
 //! * [`proxy`] — the whole path of one request, on one screen: check access, classify,
 //!   wait in the group, send, judge the answer, retry;
 //! * [`access`] — client addresses, proxy authentication, loops, and the destination
@@ -44,6 +45,7 @@ pub mod config;
 pub mod connection;
 pub mod descriptors;
 pub mod error;
+pub mod half_close;
 pub mod host;
 pub mod intercept;
 pub mod limit;

@@ -36,6 +36,7 @@ use crate::body::{self, Body};
 use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
 use crate::error::ProxyError;
+use crate::half_close::Sending;
 use crate::intercept::Intercept;
 use crate::limit::{Group, Limits, Permit, Redis, Store};
 use crate::metrics::Metrics;
@@ -191,6 +192,7 @@ impl Proxy {
         Ok(Classified {
             left: LeftEarly(Some(group.clone())),
             method: req.method().clone(),
+            sending: req.extensions().get::<Arc<Sending>>().cloned(),
             upgrade,
             request: Replayable::new(req),
             target,
@@ -237,6 +239,7 @@ impl Proxy {
         let Classified {
             left,
             method,
+            sending,
             request,
             group,
             cost,
@@ -260,7 +263,10 @@ impl Proxy {
         let mut attempt = 0;
         loop {
             let permit = self.admit(group, *cost, arrived, attempt > 0).await?;
-            let send = Box::pin(self.upstream.send(request.attempt(attempt), permit));
+            // Until its response has been written, the client's end of stream waits:
+            // a request that went upstream is answered (see `half_close`).
+            let held = (permit, sending.as_ref().map(Sending::start));
+            let send = Box::pin(self.upstream.send(request.attempt(attempt), held));
             let response = send.await?;
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
@@ -336,6 +342,8 @@ impl Proxy {
 struct Classified {
     left: LeftEarly,
     method: http::Method,
+    /// Its connection's requests out upstream, if it came on a plain HTTP/1 connection.
+    sending: Option<Arc<Sending>>,
     request: Replayable,
     /// The protocol it asks to switch to (`Upgrade`), if any.
     upgrade: Option<http::HeaderValue>,

@@ -266,6 +266,7 @@ async fn serve(
             drain: drain.clone(),
             cut: cut.clone(),
             first_byte: None,
+            sending: None,
         };
         connections.spawn(client.serve(stream));
     }

@@ -540,3 +540,36 @@ async fn a_head_that_trickles_gets_client_header_timeout_from_its_first_byte() {
     assert!(upstream.paths().is_empty());
     proxy.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_client_whose_request_went_upstream_is_answered() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream =
+        Upstream::start(|_| Reply::ok("answered").delay(std::time::Duration::from_millis(300)))
+            .await;
+    let proxy = start_proxy("").await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let get = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+        upstream.url("/sent"),
+        upstream.authority()
+    );
+    stream.write_all(get.as_bytes()).await.unwrap();
+    // Once the request is out upstream, the client closes its write side.
+    let deadline = std::time::Instant::now() + BOUND;
+    while upstream.in_flight() < 1 {
+        assert!(std::time::Instant::now() < deadline, "never sent");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    stream.shutdown().await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(BOUND, stream.read_to_end(&mut answer))
+        .await
+        .expect("the connection ends")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(answer.ends_with("answered"), "{answer:?}");
+    assert_eq!(upstream.paths(), ["/sent"]);
+    proxy.shutdown().await;
+}
