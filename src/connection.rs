@@ -41,6 +41,8 @@ pub(crate) struct Protocols {
     /// `client_header_timeout`: how long a new connection may take to show which
     /// version it speaks, and how long an HTTP/2 connection may go without a request.
     pub(crate) header_timeout: Duration,
+    /// `body_idle_timeout`: how long a write may wait for a client that reads nothing.
+    pub(crate) body_idle: Duration,
 }
 
 /// One accepted client connection, or one intercepted tunnel inside it.
@@ -92,8 +94,8 @@ impl Client {
                 self.first_byte = Some(first_byte);
                 let sending = Arc::new(Sending::default());
                 self.sending = Some(sending.clone());
-                self.serve_http1(TokioIo::new(HalfClose::new(stream, sending)))
-                    .await
+                let io = HalfClose::new(stream, sending, self.protocols.body_idle);
+                self.serve_http1(TokioIo::new(io)).await
             }
             Ok(Err(e)) => {
                 tracing::debug!(%remote, error = %e, "client connection failed");

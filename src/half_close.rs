@@ -9,13 +9,22 @@
 //! So the end of the client's stream is held back from hyper while a request of the
 //! connection is out upstream ([`Sending`]), until its response has been written; then
 //! hyper sees it and closes. A request is thus either never sent, or answered.
+//!
+//! The same stream also bounds the other way a client can stall: one that reads
+//! nothing while tollgate has bytes for it (a response it does not read) fails the
+//! write after `body_idle_timeout`, so the connection closes and its request's permit
+//! comes back. Nothing else would notice: hyper stops asking for the response body
+//! while it cannot write.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
 
 /// The requests of one connection that are out upstream, and the reader waiting for
 /// them to be answered.
@@ -57,15 +66,54 @@ pub struct HalfClose<I> {
     inner: I,
     sending: Arc<Sending>,
     ended: bool,
+    /// `body_idle_timeout`, for writes the client does not take.
+    write_idle: Duration,
+    /// Since when a write has waited for the client, as a timer (made the first time
+    /// one waits).
+    write_stalled: Option<Pin<Box<Sleep>>>,
+    stalled: bool,
 }
 
 impl<I> HalfClose<I> {
-    /// `inner`, its end held back while `sending` counts a request.
-    pub fn new(inner: I, sending: Arc<Sending>) -> HalfClose<I> {
+    /// `inner`, its end held back while `sending` counts a request, and a write that
+    /// waits `write_idle` for the client failed.
+    pub fn new(inner: I, sending: Arc<Sending>, write_idle: Duration) -> HalfClose<I> {
         HalfClose {
             inner,
             sending,
             ended: false,
+            write_idle,
+            write_stalled: None,
+            stalled: false,
+        }
+    }
+
+    /// After a write was polled: a wait for the client starts (or goes on) the timer;
+    /// progress stops it; a wait of `write_idle` fails.
+    fn watch_write<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = false;
+            return polled;
+        }
+        if !self.stalled {
+            self.stalled = true;
+            let deadline = Instant::now() + self.write_idle;
+            match &mut self.write_stalled {
+                Some(sleep) => sleep.as_mut().reset(deadline),
+                None => self.write_stalled = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        let sleep = self.write_stalled.as_mut().expect("armed above");
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client read nothing for body_idle_timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
         }
     }
 
@@ -107,7 +155,9 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for HalfClose<I> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.watch_write(cx, polled)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -127,6 +177,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for HalfClose<I> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.watch_write(cx, polled)
     }
 }

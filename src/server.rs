@@ -209,6 +209,7 @@ impl Settings {
                 http1,
                 http2,
                 header_timeout,
+                body_idle: config.proxy.body_idle_timeout.0,
             }),
             grace: config.proxy.shutdown_grace.0,
         }

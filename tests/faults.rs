@@ -573,3 +573,33 @@ async fn a_half_closed_client_whose_request_went_upstream_is_answered() {
     assert_eq!(upstream.paths(), ["/sent"]);
     proxy.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_nothing_of_its_response_is_cut_and_frees_the_permit() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = Upstream::start_bulk().await;
+    // A request that waited 5 s for the permit would get 503 (max_wait).
+    let proxy = start_proxy(&one_at_a_time("max_wait = \"5s\"\n")).await;
+    // A response far bigger than the sockets' buffers, which the client never reads.
+    let mut stalled = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let get = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+        upstream.url("/bytes/268435456"),
+        upstream.authority()
+    );
+    stalled.write_all(get.as_bytes()).await.unwrap();
+    let (head, _) = read_response_head(&mut stalled).await;
+    assert_eq!(head.status, 200);
+
+    // The group's only permit comes back once the write has waited body_idle_timeout.
+    let next = reqwest_via(&proxy, None)
+        .post(upstream.url("/next"))
+        .body("after")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(next.status(), 200);
+    assert_eq!(upstream.uploads().len(), 1);
+    drop(stalled);
+    proxy.shutdown().await;
+}
