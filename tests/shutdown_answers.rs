@@ -245,9 +245,9 @@ async fn binary_answers_every_queued_client_on_sigterm_and_exits_0_soon_after_th
         stderr.contains("sent=0 answered_503=50 cut=0"),
         "the last log line counts them:\n{stderr}"
     );
-    // grace (1 s) + 1 s, with room for a loaded machine's start-up of the signal.
+    // grace (1 s) + 1 s, with room for a loaded machine.
     assert!(
-        took < Duration::from_secs(4),
+        took < Duration::from_secs(6),
         "exited {took:?} after SIGTERM"
     );
 }
