@@ -179,12 +179,10 @@ impl Client {
     /// The proxy's answer to one request of this connection. When it opened an
     /// intercepted tunnel, what the client sends through it is served as a connection of
     /// its own, from when hyper hands the tunnel over.
-    async fn answer(&self, mut req: Request<Incoming>) -> Response<Body> {
-        if let Some(sending) = &self.sending {
-            req.extensions_mut().insert(sending.clone());
-        }
+    async fn answer(&self, req: Request<Incoming>) -> Response<Body> {
         let (local, remote, inside) = (self.local, self.remote, self.inside.as_deref());
-        let mut response = self.proxy.handle(req, local, remote, inside).await;
+        let sending = self.sending.as_ref();
+        let mut response = self.proxy.handle(req, local, remote, inside, sending).await;
         if let Some(tunnel) = response.extensions_mut().remove::<Intercepted>() {
             let inner = Client {
                 inside: None,

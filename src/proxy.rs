@@ -122,8 +122,9 @@ impl Proxy {
     }
 
     /// Serves one request from `client`, connected to `local` (and sent `inside` an
-    /// intercepted tunnel, if it was). Never fails: an error is answered with its own
-    /// response.
+    /// intercepted tunnel, if it was; on a plain HTTP/1 connection, `sending` counts its
+    /// requests out upstream, see [`crate::half_close`]). Never fails: an error is
+    /// answered with its own response.
     ///
     /// The request is classified before the future is built, and kept in a box: hyper
     /// holds this future in the client's connection for as long as the request waits,
@@ -134,6 +135,7 @@ impl Proxy {
         local: SocketAddr,
         client: SocketAddr,
         inside: Option<&Inside>,
+        sending: Option<&Arc<Sending>>,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
         // A CONNECT's body is its tunnel, which may idle as long as it likes.
@@ -147,7 +149,10 @@ impl Proxy {
             None => self.access.check(client, req.headers()),
             Some(_) => Ok(crate::access::Check::Passed(None)),
         };
-        let classified = self.classify(req, local, inside).map(Box::new);
+        let classified = self.classify(req, local, inside).map(|mut to| {
+            to.sending = sending.cloned();
+            Box::new(to)
+        });
         async move {
             let answered = match (checked, classified) {
                 (Err(e), classified) => Err(answered_early(e, classified)),
@@ -192,7 +197,7 @@ impl Proxy {
         Ok(Classified {
             left: LeftEarly(Some(group.clone())),
             method: req.method().clone(),
-            sending: req.extensions().get::<Arc<Sending>>().cloned(),
+            sending: None,
             upgrade,
             request: Replayable::new(req),
             target,
