@@ -129,10 +129,14 @@ impl Classifier {
             },
         };
         if let Some(named) = named {
-            if crate::host::canonical(named.host()).as_deref() != Some(inside.host.as_str()) {
+            let same_host =
+                crate::host::canonical(named.host()).as_deref() == Some(inside.host.as_str());
+            // A client names a port that is not its scheme's default (RFC 9110 §7.2).
+            let same_port = named.port_u16().is_none_or(|port| port == inside.port);
+            if !(same_host && same_port) {
                 return Err(ProxyError::Misdirected {
-                    named: named.host().to_string(),
-                    tunnel: inside.host.clone(),
+                    named: named.to_string(),
+                    tunnel: format!("{}:{}", inside.host, inside.port),
                 });
             }
         }
@@ -473,5 +477,104 @@ mod tests {
     fn other_schemes_are_refused() {
         let (t, _) = run(&classifier(""), Method::GET, "ftp://example.com/x");
         assert_eq!(t.unwrap_err().status(), 400);
+    }
+
+    #[test]
+    fn a_request_inside_a_tunnel_goes_to_the_tunnel_s_host() {
+        let inside = |port, scheme| Inside {
+            host: "api.example.com".into(),
+            port,
+            scheme,
+        };
+        let https = inside(443, Scheme::HTTPS);
+        let odd_port = inside(8443, Scheme::HTTPS);
+        let plain = inside(80, Scheme::HTTP);
+        for (tunnel, method, uri, host, expected) in [
+            // HTTP/1.1: origin-form and Host.
+            (
+                &https,
+                "GET",
+                "/v1/x?q=1",
+                Some("api.example.com"),
+                Ok("https://api.example.com/v1/x?q=1"),
+            ),
+            (
+                &https,
+                "GET",
+                "/",
+                Some("API.Example.COM."),
+                Ok("https://api.example.com/"),
+            ),
+            (
+                &https,
+                "GET",
+                "/",
+                Some("api.example.com:443"),
+                Ok("https://api.example.com/"),
+            ),
+            (
+                &odd_port,
+                "GET",
+                "/",
+                Some("api.example.com:8443"),
+                Ok("https://api.example.com:8443/"),
+            ),
+            (
+                &plain,
+                "POST",
+                "/p",
+                Some("api.example.com"),
+                Ok("http://api.example.com/p"),
+            ),
+            (&https, "GET", "/", None, Ok("https://api.example.com/")),
+            // HTTP/2 (and absolute-form): the URI's authority.
+            (
+                &https,
+                "GET",
+                "https://api.example.com/h2",
+                None,
+                Ok("https://api.example.com/h2"),
+            ),
+            (
+                &https,
+                "GET",
+                "https://other.example.com/h2",
+                None,
+                Err(421),
+            ),
+            (
+                &https,
+                "GET",
+                "http://other.example.com/",
+                Some("api.example.com"),
+                Err(421),
+            ),
+            // Another host, or another port, than the tunnel's.
+            (&https, "GET", "/", Some("other.example.com"), Err(421)),
+            (&https, "GET", "/", Some("api.example.com:8443"), Err(421)),
+            (&https, "GET", "/", Some("bad host"), Err(400)),
+            (&https, "CONNECT", "other.example.com:443", None, Err(400)),
+        ] {
+            let mut req = Request::builder().method(method).uri(uri);
+            if let Some(host) = host {
+                req = req.header("host", host);
+            }
+            let mut req = req.body(()).unwrap();
+            let got = Classifier::inside(&mut req, tunnel)
+                .map(|target| {
+                    assert_eq!(target.kind, Kind::Inside);
+                    assert_eq!(
+                        (target.host.as_str(), target.port),
+                        ("api.example.com", tunnel.port)
+                    );
+                    req.uri().to_string()
+                })
+                .map_err(|e| e.status().as_u16());
+            assert_eq!(
+                got.as_deref().map_err(|e| *e),
+                expected,
+                "{method} {uri} {host:?}"
+            );
+        }
     }
 }

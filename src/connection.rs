@@ -55,6 +55,10 @@ pub(crate) struct Client {
     pub(crate) remote: SocketAddr,
     /// The intercepted tunnel this connection is inside; `None` for the TCP connection.
     pub(crate) inside: Option<Arc<Inside>>,
+    /// What keeps the outer HTTP/2 stream of that tunnel open. Every request inside
+    /// carries it, so that a connection switched to another protocol (WebSocket),
+    /// which outlives this one, keeps the stream open too.
+    pub(crate) keep: Option<KeepWhileOpen>,
     /// This thread's connections: an intercepted tunnel is served as one of them, so
     /// shutdown drains it like any other.
     pub(crate) connections: TaskTracker,
@@ -179,13 +183,17 @@ impl Client {
     /// The proxy's answer to one request of this connection. When it opened an
     /// intercepted tunnel, what the client sends through it is served as a connection of
     /// its own, from when hyper hands the tunnel over.
-    async fn answer(&self, req: Request<Incoming>) -> Response<Body> {
+    async fn answer(&self, mut req: Request<Incoming>) -> Response<Body> {
+        if let Some(keep) = &self.keep {
+            req.extensions_mut().insert(keep.clone());
+        }
         let (local, remote, inside) = (self.local, self.remote, self.inside.as_deref());
         let sending = self.sending.as_ref();
         let mut response = self.proxy.handle(req, local, remote, inside, sending).await;
         if let Some(tunnel) = response.extensions_mut().remove::<Intercepted>() {
             let inner = Client {
                 inside: None,
+                keep: None,
                 ..self.clone()
             };
             self.connections.spawn(inner.serve_intercepted(tunnel));
@@ -208,7 +216,7 @@ impl Client {
             keep,
         } = tunnel;
         // The outer HTTP/2 stream stays open while the tunnel is.
-        let _keep = keep;
+        self.keep = keep;
         let upgraded = tokio::select! {
             upgraded = on_upgrade => upgraded,
             () = self.cut.cancelled() => return,
@@ -218,7 +226,11 @@ impl Client {
             return;
         };
         let within = self.protocols.header_timeout;
-        let Some(accepted) = intercept.accept(upgraded, &host, within).await else {
+        let accepted = tokio::select! {
+            accepted = intercept.accept(upgraded, &host, within) => accepted,
+            () = self.cut.cancelled() => None,
+        };
+        let Some(accepted) = accepted else {
             return;
         };
         let scheme = accepted.scheme;

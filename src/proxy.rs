@@ -221,14 +221,20 @@ impl Proxy {
     }
 
     /// Step 2 for a CONNECT to an intercepted host: answered at once, for the server to
-    /// serve what comes through. A destination the policy refuses by name is refused
-    /// now; its addresses are checked as each request inside is sent.
+    /// serve what comes through. A destination the policy refuses by name or address
+    /// is refused now; a name's addresses are checked as each request inside is sent.
     fn open_intercepted(&self, mut to: Box<Classified>) -> Result<Response<Body>, ProxyError> {
         // Not a request of its group: each one inside the tunnel is.
         to.left.disarm();
-        self.dialer
-            .policy
-            .check_host(&to.target.host)
+        let (host, port) = (&to.target.host, to.target.port);
+        let policy = &self.dialer.policy;
+        policy
+            .check_host(host)
+            .and_then(|()| match crate::host::ip_of(host) {
+                // An address needs no resolving to be judged now.
+                Some(ip) => policy.check_addr(host, std::net::SocketAddr::new(ip, port)),
+                None => Ok(()),
+            })
             .map_err(|denial| ProxyError::DestinationDenied { denial })?;
         tracing::debug!(host = %to.target.host, port = to.target.port, "tunnel intercepted");
         Ok(tunnel::intercept(&to.target, to.request.attempt(0)))
@@ -257,7 +263,16 @@ impl Proxy {
             left.disarm();
             let permit = self.admit(group, *cost, arrived, false).await?;
             let switching = self.upstream.switching(&self.tunnels, &self.cut);
-            return Box::pin(switching.send(request.attempt(0), protocol, permit)).await;
+            let response = Box::pin(switching.send(request.attempt(0), protocol, permit)).await?;
+            // A refusal still pauses the group; it is not replayed.
+            return Ok(
+                match pushback::after_answer(group, arrived, false, 0, response) {
+                    ControlFlow::Break(response) => response,
+                    ControlFlow::Continue(()) => {
+                        unreachable!("a request that cannot be replayed is not")
+                    }
+                },
+            );
         }
         let memory = &self.replay_memory;
         let read = request.read_body(group.settings.max_replay_body, memory);

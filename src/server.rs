@@ -263,6 +263,7 @@ async fn serve(
             local,
             remote,
             inside: None,
+            keep: None,
             connections: connections.clone(),
             drain: drain.clone(),
             cut: cut.clone(),

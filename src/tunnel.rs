@@ -102,13 +102,14 @@ pub async fn open<H: Send + 'static>(
 const LINGER: Duration = Duration::from_secs(5);
 
 /// Copies bytes both ways until one side closes and the other has finished or lingered
-/// [`LINGER`]; returns the bytes sent up and down.
-async fn relay(
+/// [`LINGER`]; returns the bytes sent up and down. Tunnels and switched protocols
+/// (WebSocket) use it.
+pub(crate) async fn relay(
     client: impl AsyncRead + AsyncWrite,
-    upstream: &mut tokio::net::TcpStream,
+    upstream: impl AsyncRead + AsyncWrite,
 ) -> (u64, u64) {
     let (mut client_read, mut client_write) = tokio::io::split(client);
-    let (mut upstream_read, mut upstream_write) = upstream.split();
+    let (mut upstream_read, mut upstream_write) = tokio::io::split(upstream);
     let up = async {
         let sent = tokio::io::copy(&mut client_read, &mut upstream_write).await;
         let _ = upstream_write.shutdown().await;

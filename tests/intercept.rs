@@ -293,9 +293,15 @@ asyncio.run(main())
     let seen = upstream.requests();
     assert_eq!(seen.len(), 8);
     assert!(seen.iter().all(|s| s.header("via") == Some("1.1 tollgate")));
-    // Both clients' requests are paced one by one: 8 at 10/s span 7 intervals.
-    let span = seen[7].at - seen[0].at;
-    assert!(span >= Duration::from_millis(630), "{span:?}");
+    // Each client's requests are paced one by one at 10/s, inside its one tunnel.
+    assert!(
+        seen[4].at - seen[0].at >= Duration::from_millis(360),
+        "requests"
+    );
+    assert!(
+        seen[7].at - seen[5].at >= Duration::from_millis(180),
+        "aiohttp"
+    );
 }
 
 /// Runs `tests/node/fetch.js` (undici's `EnvHttpProxyAgent`) on `urls` with `env`.
@@ -397,21 +403,16 @@ async fn a_request_for_another_host_inside_a_tunnel_is_misdirected() {
 
 #[tokio::test]
 async fn a_websocket_inside_an_intercepted_tunnel_is_relayed() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let upstream_ca = TestCa::new();
     let certs = tempfile::tempdir().unwrap();
     upstream_ca.write_server_pem(certs.path());
     let ca = InterceptCa::new();
-    // The upstream is aiohttp's WebSocket server on a port it picks: every port of
-    // 127.0.0.1 is intercepted and counted in one group.
-    let config = format!(
-        "[proxy]\nconnect_ports = [\"*\"]\nca_file = {:?}\n\n{}\n[[limit]]\nname = \"ws\"\nhosts = [\"127.0.0.1\"]\n",
-        upstream_ca.ca_pem_path().display().to_string(),
-        ca.table("")
-    );
-    let proxy = start_proxy_with_admin(&config).await;
+    // aiohttp's WebSocket server picks its port and says it; the script then reads the
+    // proxy's URL, which is started for that port, and opens a WebSocket through it.
     let script = format!(
         r#"
-import asyncio, ssl, aiohttp
+import asyncio, ssl, sys, aiohttp
 from aiohttp import web
 
 async def main():
@@ -432,9 +433,11 @@ async def main():
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
+    print(port, flush=True)
+    proxy = sys.stdin.readline().strip()
     client_tls = ssl.create_default_context(cafile="{ca}")
     async with aiohttp.ClientSession() as s:
-        async with s.ws_connect(f"wss://127.0.0.1:{{port}}/ws", ssl=client_tls, proxy="{proxy}") as ws:
+        async with s.ws_connect(f"wss://127.0.0.1:{{port}}/ws", ssl=client_tls, proxy=proxy) as ws:
             for i in range(3):
                 await ws.send_str(f"m{{i}}")
                 print((await ws.receive()).data)
@@ -445,14 +448,52 @@ asyncio.run(main())
 "#,
         dir = certs.path().display(),
         ca = ca.cert_str(),
-        proxy = proxy.url()
     );
-    let out = python(&script, &[]).await;
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut child = clean_command("python3", &[])
+        .args(["-I", "-c", &script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
+    let mut port = String::new();
+    tokio::time::timeout(BOUND, stdout.read_line(&mut port))
+        .await
+        .unwrap()
+        .unwrap();
+    let port: u16 = port.trim().parse().expect("the server's port");
+    let config = format!(
+        "[proxy]\nconnect_ports = [\"*\"]\nca_file = {:?}\n\n{}\n[[limit]]\nname = \"ws\"\nhosts = [\"127.0.0.1:{port}\"]\n",
+        upstream_ca.ca_pem_path().display().to_string(),
+        ca.table("")
+    );
+    let proxy = start_proxy_with_admin(&config).await;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{}\n", proxy.url()).as_bytes())
+        .await
+        .unwrap();
+    let mut rest = String::new();
+    tokio::time::timeout(BOUND, stdout.read_to_string(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    let status = tokio::time::timeout(BOUND, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut stderr = String::new();
+    let _ = child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .await;
+    assert!(status.success(), "{stderr}");
     assert_eq!(
-        out.stdout, "echo m0\necho m1\necho m2\nvia ['1.1 tollgate']\n",
-        "{}",
-        out.stderr
+        rest, "echo m0\necho m1\necho m2\nvia ['1.1 tollgate']\n",
+        "{stderr}"
     );
     // The switch counted as one request of the group.
     let metrics = admin_get(&proxy, "/metrics").await;
@@ -480,7 +521,6 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
         upstream.authority()
     );
     let proxy = start_proxy(&config).await;
-    let started = std::time::Instant::now();
     let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
         TokioExecutor::new(),
@@ -517,8 +557,240 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
             got.extend_from_slice(&chunk[..n]);
         }
     }
-    assert!(started.elapsed() >= Duration::from_secs(2));
     let seen = upstream.requests();
     assert_eq!(upstream.paths(), paths);
     assert!(seen.iter().all(|s| s.header("via") == Some("1.1 tollgate")));
+}
+
+/// A plain upstream that switches to an echo of every byte when asked for WebSocket
+/// (a bare `101`, no WebSocket framing: tollgate relays bytes), and answers anything
+/// else `200 ok`. Records each request line it reads.
+struct Switching {
+    addr: std::net::SocketAddr,
+    heads: Arc<Mutex<Vec<String>>>,
+}
+
+use std::sync::{Arc, Mutex};
+
+impl Switching {
+    async fn start() -> Switching {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let record = heads.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let record = record.clone();
+                tokio::spawn(async move {
+                    loop {
+                        // Heads only (no bodies come here), read to their blank line.
+                        let mut head = Vec::new();
+                        let mut byte = [0u8; 1];
+                        while !head.ends_with(b"\r\n\r\n") {
+                            match stream.read(&mut byte).await {
+                                Ok(1) => head.push(byte[0]),
+                                _ => return,
+                            }
+                        }
+                        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                        record
+                            .lock()
+                            .unwrap()
+                            .push(head.lines().next().unwrap_or("").to_string());
+                        if head.contains("upgrade: websocket") {
+                            let switched = b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n";
+                            stream.write_all(switched).await.unwrap();
+                            let mut buf = [0u8; 1024];
+                            while let Ok(n) = stream.read(&mut buf).await {
+                                if n == 0 || stream.write_all(&buf[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                            return;
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if stream.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Switching { addr, heads }
+    }
+
+    fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap().clone()
+    }
+}
+
+/// Opens a plain tunnel through `proxy` to `upstream` and switches it to WebSocket;
+/// returns the stream, ready for bytes to echo.
+async fn open_websocket(
+    tunnel: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin),
+    authority: &str,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ask = format!(
+        "GET /ws HTTP/1.1\r\nHost: {authority}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    );
+    tunnel.write_all(ask.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(BOUND, tunnel.read(&mut byte))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed before the 101: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        got.push(byte[0]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 101"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+}
+
+/// Writes `message` and reads its echo back.
+async fn echo(
+    tunnel: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin),
+    message: &[u8],
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tunnel.write_all(message).await.unwrap();
+    let mut got = vec![0u8; message.len()];
+    tokio::time::timeout(BOUND, tunnel.read_exact(&mut got))
+        .await
+        .expect("an echo")
+        .expect("the switched connection is open");
+    assert_eq!(got, message);
+}
+
+/// Sends CONNECT for `authority` on `stream` and reads the 200.
+async fn connect(stream: &mut tokio::net::TcpStream, authority: &str) {
+    use tokio::io::AsyncWriteExt;
+    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    stream.write_all(connect.as_bytes()).await.unwrap();
+    let (head, _) = read_head(stream).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+}
+
+#[tokio::test]
+async fn a_websocket_holds_its_concurrency_permit_while_open() {
+    let upstream = Switching::start().await;
+    let authority = upstream.addr.to_string();
+    let ca = InterceptCa::new();
+    let config = format!(
+        "[proxy]\nconnect_ports = [\"*\"]\n\n{}\n[[limit]]\nname = \"api\"\nhosts = [\"{authority}\"]\nconcurrency = 1\n",
+        ca.table("")
+    );
+    let proxy = start_proxy_with_admin(&config).await;
+    let mut ws = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    connect(&mut ws, &authority).await;
+    open_websocket(&mut ws, &authority).await;
+    echo(&mut ws, b"one").await;
+
+    // A request in another tunnel waits for the permit the WebSocket holds.
+    let url = format!("http://{authority}/after");
+    let proxy_url = proxy.url();
+    // -p: through a CONNECT tunnel, as undici sends http:// URLs.
+    let waiting =
+        tokio::spawn(async move { curl(&["-p", &url], &[("http_proxy", &proxy_url)]).await });
+    wait_queued(&proxy, "api", 1).await;
+    echo(&mut ws, b"two").await;
+    assert_eq!(upstream.heads(), ["get /ws http/1.1"]);
+    drop(ws);
+    let out = waiting.await.unwrap();
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.body, b"ok");
+    assert_eq!(
+        upstream.heads(),
+        ["get /ws http/1.1", "get /after http/1.1"]
+    );
+}
+
+#[tokio::test]
+async fn a_websocket_in_a_tunnel_on_an_http2_stream_outlives_the_idle_close() {
+    use http_body_util::Empty;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let upstream = Switching::start().await;
+    let authority = upstream.addr.to_string();
+    let ca = InterceptCa::new();
+    let config = format!(
+        "[proxy]\nconnect_ports = [\"*\"]\nclient_header_timeout = \"300ms\"\n\n{}\n[[limit]]\nname = \"api\"\nhosts = [\"{authority}\"]\n",
+        ca.table("")
+    );
+    let proxy = start_proxy(&config).await;
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let connect = http::Request::connect(authority.as_str())
+        .body(Empty::new())
+        .unwrap();
+    let resp = send.send_request(connect).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut tunnel = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+    open_websocket(&mut tunnel, &authority).await;
+    echo(&mut tunnel, b"before").await;
+    // Idle for three header timeouts: an h2 connection with no stream open would have
+    // been sent GOAWAY and dropped by now.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    echo(&mut tunnel, b"after").await;
+}
+
+#[tokio::test]
+async fn an_intercepted_connect_still_passes_ports_policy_and_auth() {
+    let ca = InterceptCa::new();
+    let users = tempfile::tempdir().unwrap();
+    let hash = bcrypt::hash("secret", 4).unwrap();
+    let users_file = write_file(users.path(), "users", &format!("alice:{hash}\n"));
+    let config = format!(
+        "[proxy]\nconnect_ports = [443]\n\n{}\n[[limit]]\nname = \"api\"\nhosts = [\"api.example.com\", \"10.1.2.3\"]\n\n[access]\nusers = {:?}\n",
+        ca.table(""),
+        users_file.display().to_string()
+    );
+    let proxy = start_proxy(&config).await;
+    let basic =
+        base64::engine::Engine::encode(&base64::engine::general_purpose::STANDARD, "alice:secret");
+    let ask = |target: &str, auth: bool| {
+        let auth = if auth {
+            format!("Proxy-Authorization: Basic {basic}\r\n")
+        } else {
+            String::new()
+        };
+        format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n")
+    };
+    for (target, auth, status, error) in [
+        ("api.example.com:443", false, 407, "http_request_denied"),
+        ("api.example.com:8443", true, 403, "http_request_denied"),
+        ("10.1.2.3:443", true, 403, "destination_ip_prohibited"),
+    ] {
+        let response = raw_request(proxy.addr, ask(target, auth).as_bytes()).await;
+        assert_eq!(response.status, status, "{target}: {response:?}");
+        assert!(
+            response
+                .header("proxy-status")
+                .is_some_and(|v| v.contains(&format!("error={error}"))),
+            "{target}: {response:?}"
+        );
+    }
+    // With credentials, to an allowed port: the tunnel opens.
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, ask("api.example.com:443", true).as_bytes())
+        .await
+        .unwrap();
+    let (head, _) = read_head(&mut stream).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
 }

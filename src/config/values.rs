@@ -251,6 +251,16 @@ impl HostPattern {
         }))
     }
 
+    /// The port the pattern names, if it names one.
+    pub fn port(&self) -> Option<u16> {
+        match self {
+            HostPattern::Exact(exact) if !exact.ends_with(']') => {
+                exact.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
+            }
+            _ => None,
+        }
+    }
+
     /// Whether `host` (canonical) on `port` matches.
     pub fn matches(&self, host: &str, port: u16) -> bool {
         match self {

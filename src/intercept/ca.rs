@@ -55,6 +55,8 @@ pub enum CaError {
 pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
     cert: CertificateDer<'static>,
+    /// When the CA expires: no leaf it signs outlives it.
+    not_after: SystemTime,
 }
 
 impl std::fmt::Debug for Ca {
@@ -114,11 +116,14 @@ impl Ca {
                 "this key does not belong to the CA certificate".into(),
             ));
         }
+        let expires = x509.validity().not_after.timestamp();
+        let not_after = SystemTime::UNIX_EPOCH + Duration::from_secs(expires.max(0) as u64);
         let issuer = Issuer::from_ca_cert_der(&cert, key)
             .map_err(|e| CaError::Cert(format!("cannot use the CA certificate: {e}")))?;
         Ok(Ca {
             issuer,
             cert: cert.into_owned(),
+            not_after,
         })
     }
 
@@ -146,20 +151,43 @@ impl Ca {
     }
 }
 
+/// Why `tollgate ca init` could not write a CA.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    /// A file it would write exists: a CA is made once, and clients trust it.
+    #[error(
+        "{0} exists; remove it or choose another --dir (a CA is made once, and clients trust it)"
+    )]
+    Exists(PathBuf),
+    /// The directory or a file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The directory or file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// rcgen could not make the certificate (not expected).
+    #[error("cannot make a CA: {0}")]
+    Generate(#[from] rcgen::Error),
+}
+
 /// Writes a new CA into `dir` as `ca.pem` and `ca-key.pem` (mode 0600), refusing to
-/// overwrite either; returns their paths.
-pub fn init(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
+/// overwrite either; returns their absolute paths, which the config can name from any
+/// working directory.
+pub fn init(dir: &Path) -> Result<(PathBuf, PathBuf), InitError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let failed = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| InitError::Write { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(failed(dir))?;
+    let dir = dir.canonicalize().map_err(failed(dir))?;
     let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
     for path in [&cert_path, &key_path] {
         if path.exists() {
-            return Err(format!(
-                "{} exists; remove it or choose another --dir (a CA is made once, and \
-                 clients trust it)",
-                path.display()
-            ));
+            return Err(InitError::Exists(path.clone()));
         }
     }
     // Dated, so that two CAs made on different machines are told apart by name.
@@ -167,7 +195,7 @@ pub fn init(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
         "tollgate interception CA {}",
         humantime::format_rfc3339_seconds(SystemTime::now())
     );
-    let (cert, key) = Ca::generate(&name).map_err(|e| format!("cannot make a CA: {e}"))?;
+    let (cert, key) = Ca::generate(&name)?;
     let write = |path: &Path, text: &str, mode: u32| {
         std::fs::OpenOptions::new()
             .write(true)
@@ -175,10 +203,14 @@ pub fn init(dir: &Path) -> Result<(PathBuf, PathBuf), String> {
             .mode(mode)
             .open(path)
             .and_then(|mut f| f.write_all(text.as_bytes()))
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))
+            .map_err(failed(path))
     };
     write(&key_path, &key, 0o600)?;
-    write(&cert_path, &cert, 0o644)?;
+    // Without its certificate the key is of no use, and would block the next attempt.
+    if let Err(e) = write(&cert_path, &cert, 0o644) {
+        let _ = std::fs::remove_file(&key_path);
+        return Err(e);
+    }
     Ok((cert_path, key_path))
 }
 
@@ -206,7 +238,15 @@ pub struct Leaves {
 
 struct Leaf {
     config: Arc<ServerConfig>,
-    renew_at: SystemTime,
+    issued: SystemTime,
+}
+
+/// Whether a leaf issued at `issued` may still be handed out at `now`: for half of its
+/// validity, and not if the clock went back before it was issued (its validity would
+/// start in the future for clients).
+fn fresh(issued: SystemTime, now: SystemTime) -> bool {
+    now.duration_since(issued)
+        .is_ok_and(|age| age < LEAF_VALIDITY / 2)
 }
 
 impl Leaves {
@@ -227,29 +267,35 @@ impl Leaves {
     /// literal in brackets), offering h2 and HTTP/1.1; from the cache while it is fresh.
     pub fn server_config(&self, host: &str) -> Result<Arc<ServerConfig>, CaError> {
         let now = SystemTime::now();
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(leaf) = cache.get(host) {
-            if now < leaf.renew_at {
-                return Ok(leaf.config.clone());
-            }
+        let cached = self
+            .lock()
+            .get(host)
+            .and_then(|leaf| fresh(leaf.issued, now).then(|| leaf.config.clone()));
+        if let Some(config) = cached {
+            return Ok(config);
         }
-        // Signing takes tens of microseconds, and the cache is only held for that long
-        // on a host's first connection (or once per renewal).
+        // Signed without the lock: other hosts' tunnels are served meanwhile, however
+        // slow the CA's key is. Two first tunnels to one host may both sign; the later
+        // leaf stays.
         let config = Arc::new(self.sign(host, now)?);
-        let renew_at = now + LEAF_VALIDITY / 2;
-        cache.put(
+        self.lock().put(
             host.to_string(),
             Leaf {
                 config: config.clone(),
-                renew_at,
+                issued: now,
             },
         );
         Ok(config)
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<String, Leaf>> {
+        // A cache: valid after any panic of a holder.
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// How many leaves are cached.
     pub fn cached(&self) -> usize {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.lock().len()
     }
 
     fn sign(&self, host: &str, now: SystemTime) -> Result<ServerConfig, CaError> {
@@ -285,7 +331,7 @@ impl Leaves {
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         params.use_authority_key_identifier_extension = true;
         params.not_before = (now - BACKDATE).into();
-        params.not_after = (now + LEAF_VALIDITY).into();
+        params.not_after = (now + LEAF_VALIDITY).min(self.ca.not_after).into();
         params.serial_number = Some(random_serial());
         let leaf = params.signed_by(&self.key, &self.ca.issuer).map_err(fail)?;
         Ok(leaf.der().clone())
@@ -341,6 +387,22 @@ mod tests {
     }
 
     #[test]
+    fn a_leaf_is_fresh_for_half_its_validity_and_never_before_it_was_made() {
+        let made = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let half = LEAF_VALIDITY / 2;
+        for (now, expected) in [
+            (made, true),
+            (made + half - Duration::from_secs(1), true),
+            (made + half, false),
+            (made + LEAF_VALIDITY, false),
+            // The clock went back: the leaf would not be valid yet for clients.
+            (made - Duration::from_secs(1), false),
+        ] {
+            assert_eq!(fresh(made, now), expected, "{:?}", now.duration_since(made));
+        }
+    }
+
+    #[test]
     fn configurations_are_cached_per_host_and_bounded() {
         let (cert, key) = Ca::generate("test CA").unwrap();
         let leaves = Leaves::new(Arc::new(Ca::from_pem(&cert, &key).unwrap())).unwrap();
@@ -388,6 +450,7 @@ mod tests {
         assert_eq!(mode, 0o600);
         Ca::load(&cert, &key).unwrap();
         let e = init(dir.path()).unwrap_err();
-        assert!(e.contains("exists"), "{e}");
+        assert!(matches!(e, InitError::Exists(_)), "{e}");
+        assert!(cert.is_absolute() && key.is_absolute());
     }
 }

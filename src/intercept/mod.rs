@@ -6,7 +6,7 @@
 //! method's first letter: Node's undici sends `http://` URLs through CONNECT too).
 //! TLS is served with a leaf certificate for the tunnel's host, signed by the
 //! operator's CA ([`Leaves`]); ALPN offers h2 and HTTP/1.1. The decrypted requests
-//! then take the same path as a forward request (`server.rs` serves the connection,
+//! then take the same path as a forward request (`connection.rs` serves the connection,
 //! [`crate::proxy::Proxy::handle`] each request), so limits, push-back, errors and
 //! metrics are the same. Upstream TLS is verified as for any `https://` request: a
 //! certificate tollgate does not trust is a `502`, never a pass.
@@ -25,7 +25,7 @@ use crate::config::{HostPattern, InterceptConfig};
 
 mod ca;
 
-pub use ca::{init, Ca, CaError, Leaves, LEAF_CACHE, LEAF_VALIDITY};
+pub use ca::{init, Ca, CaError, InitError, Leaves, LEAF_CACHE, LEAF_VALIDITY};
 
 /// Which tunnels are decrypted, and the certificates to do it with.
 pub struct Intercept {
@@ -35,6 +35,15 @@ pub struct Intercept {
     /// Hosts whose clients refused tollgate's certificate, each logged once.
     untrusted: Mutex<HashSet<String>>,
 }
+
+/// How many hosts' refusals of the certificate are logged, once each: enough for every
+/// host a deployment intercepts, and bounded against clients that make up host names.
+const UNTRUSTED_LOGGED: usize = 1024;
+
+/// The ports a host pattern without a port is intercepted on: HTTPS, and plain HTTP
+/// through CONNECT (Node's undici). Another protocol tunnelled to a listed host (SSH,
+/// IMAPS, MQTT) stays a blind tunnel unless its port is listed with the host.
+const WEB_PORTS: [u16; 2] = [443, 80];
 
 /// A byte stream a decrypted (or plain) tunnel is served over.
 pub trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -72,13 +81,14 @@ impl Intercept {
     }
 
     /// Reads the client's first byte from the opened tunnel to `host` and, for TLS,
-    /// completes the handshake within `within`. `None` when the client left or failed the
+    /// completes the handshake, both within `within`. `None` when the client left or failed the
     /// handshake (logged).
     pub async fn accept(&self, tunnel: Upgraded, host: &str, within: Duration) -> Option<Accepted> {
+        let deadline = tokio::time::Instant::now() + within;
         // A buffer of a few bytes is enough to look at the first one; larger reads pass
         // it by once it is empty.
         let mut io = BufReader::with_capacity(16, TokioIo::new(tunnel));
-        let first = match tokio::time::timeout(within, io.fill_buf()).await {
+        let first = match tokio::time::timeout_at(deadline, io.fill_buf()).await {
             Ok(Ok([first, ..])) => *first,
             Ok(Ok([])) => return None,
             Ok(Err(e)) => {
@@ -106,7 +116,7 @@ impl Intercept {
             }
         };
         let handshake = tokio_rustls::TlsAcceptor::from(config).accept(io);
-        let tls = match tokio::time::timeout(within, handshake).await {
+        let tls = match tokio::time::timeout_at(deadline, handshake).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
                 self.handshake_failed(host, &e);
@@ -145,7 +155,7 @@ impl Intercept {
             return;
         }
         let mut untrusted = self.untrusted.lock().unwrap_or_else(|p| p.into_inner());
-        if untrusted.len() < LEAF_CACHE && untrusted.insert(host.to_string()) {
+        if untrusted.len() < UNTRUSTED_LOGGED && untrusted.insert(host.to_string()) {
             tracing::warn!(
                 host,
                 error = %e,
@@ -156,10 +166,13 @@ impl Intercept {
     }
 }
 
-/// Whether `host` on `port` is in `hosts` and not in `bypass`.
+/// Whether `host` on `port` is in `hosts` and not in `bypass`. A pattern without a port
+/// covers [`WEB_PORTS`] only; `bypass` patterns match on any port.
 fn covers(hosts: &[HostPattern], bypass: &[HostPattern], host: &str, port: u16) -> bool {
-    let matched = |patterns: &[HostPattern]| patterns.iter().any(|p| p.matches(host, port));
-    matched(hosts) && !matched(bypass)
+    let listed = hosts
+        .iter()
+        .any(|p| p.matches(host, port) && (p.port().is_some() || WEB_PORTS.contains(&port)));
+    listed && !bypass.iter().any(|p| p.matches(host, port))
 }
 
 #[cfg(test)]
@@ -180,6 +193,10 @@ mod tests {
             ("127.0.0.1", 8443, true),
             ("127.0.0.1", 443, false),
             ("example.com", 443, false),
+            // Without a port in the pattern: the web ports only.
+            ("api.github.com", 80, true),
+            ("api.github.com", 22, false),
+            ("api.stripe.com", 8883, false),
         ] {
             assert_eq!(
                 covers(&hosts, &bypass, host, port),

@@ -20,6 +20,7 @@ use tokio_util::task::TaskTracker;
 use super::{add_via, authority_of, set_host, strip_hop_by_hop, upstream_error, Dialer};
 use crate::body::{self, Body, Holding};
 use crate::error::ProxyError;
+use crate::tunnel::{relay, KeepWhileOpen};
 
 /// The protocol a request asks to switch to: its `Upgrade` header, when `Connection`
 /// names `upgrade` too (RFC 9110 §7.8), on HTTP/1.1.
@@ -66,6 +67,8 @@ impl Switching<'_> {
         let uri = req.uri().clone();
         let authority = authority_of(&uri);
         let client_side = hyper::upgrade::on(&mut req);
+        // The outer HTTP/2 stream of an intercepted tunnel, if it came through one.
+        let keep = req.extensions_mut().remove::<KeepWhileOpen>();
         strip_hop_by_hop(req.headers_mut());
         add_via(req.headers_mut(), Version::HTTP_11);
         req.headers_mut()
@@ -105,18 +108,15 @@ impl Switching<'_> {
         let cut = self.cut.clone();
         let relayed = authority.clone();
         self.tasks.spawn(async move {
-            let _held = held;
+            let _held = (held, keep);
             let joined = async {
                 let (client, upstream) = tokio::try_join!(client_side, upstream_side)?;
-                let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream));
-                tokio::io::copy_bidirectional(&mut client, &mut upstream)
-                    .await
-                    .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?;
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+                Ok::<_, hyper::Error>(relay(TokioIo::new(client), TokioIo::new(upstream)).await)
             };
             tokio::select! {
-                ended = joined => if let Err(e) = ended {
-                    tracing::debug!(authority = %relayed, error = %e, "switched connection ended");
+                ended = joined => match ended {
+                    Ok((up, down)) => tracing::debug!(authority = %relayed, up, down, "switched connection closed"),
+                    Err(e) => tracing::debug!(authority = %relayed, error = %e, "switched connection failed"),
                 },
                 () = cut.cancelled() => {},
             }
