@@ -1,7 +1,12 @@
-//! The admin listener: `/metrics` (Prometheus), `/healthz`, `/status` (JSON per group).
+//! The admin listener: `/` (a live dashboard), `/metrics` (Prometheus), `/healthz`,
+//! `/status` (JSON per group).
 //!
 //! Kept on its own address so metrics and status are never exposed to, nor throttled
 //! with, the proxied traffic.
+//!
+//! The dashboard is one static page compiled into the binary (`admin/dashboard.html`)
+//! that polls `/status`: the server keeps no history for it, the page derives
+//! departures per second from the `counters` between two polls.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -15,7 +20,11 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use crate::body::{self, Body};
+use crate::limit::Group;
 use crate::proxy::Proxy;
+
+/// The dashboard: HTML, CSS and JS in one file, no external resources.
+const DASHBOARD: &str = include_str!("admin/dashboard.html");
 
 /// Serves the admin endpoints on `listener` until `shutdown` completes.
 pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, shutdown: impl Future<Output = ()>) {
@@ -52,15 +61,19 @@ fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Body> {
             proxy.metrics().encode(),
         ),
         (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+        (&Method::GET, "/") => (
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            DASHBOARD.to_string(),
+        ),
         (&Method::GET, "/status") => {
-            let groups: Vec<_> = proxy.limits().groups().iter().map(|g| g.status()).collect();
-            let json = serde_json::json!({ "groups": groups });
+            let json = status(proxy);
             (StatusCode::OK, "application/json", format!("{json:#}\n"))
         }
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",
-            "tollgate admin: GET /metrics, /healthz or /status\n".to_string(),
+            "tollgate admin: GET / (dashboard), /metrics, /healthz or /status\n".to_string(),
         ),
     };
     let mut resp = Response::new(body::full(text));
@@ -70,4 +83,50 @@ fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Body> {
         header::HeaderValue::from_static(content_type),
     );
     resp
+}
+
+/// The `/status` document: the backend, and each group's snapshot with its configured
+/// limits and counters beside it.
+fn status(proxy: &Proxy) -> serde_json::Value {
+    let backend = match proxy.redis() {
+        None => serde_json::json!({ "kind": "memory" }),
+        Some(redis) => serde_json::json!({
+            "kind": "redis",
+            "up": redis.is_up(),
+            "replicas": redis.replicas(),
+        }),
+    };
+    let groups: Vec<_> = proxy.limits().groups().iter().map(|g| group_status(g)).collect();
+    serde_json::json!({ "backend": backend, "groups": groups })
+}
+
+/// One group: its own snapshot (whatever fields it has), plus what was configured and
+/// the counters a dashboard turns into rates.
+fn group_status(group: &Group) -> serde_json::Value {
+    let mut json = serde_json::to_value(group.status()).unwrap_or_default();
+    let settings = &group.settings;
+    let metrics = &group.metrics;
+    let extra = serde_json::json!({
+        "configured_rates_per_second":
+            settings.rates.iter().map(|r| r.per_second()).collect::<Vec<_>>(),
+        "concurrency": settings.concurrency,
+        "queue_limit": settings.queue,
+        "adaptive": settings.adaptive,
+        "counters": {
+            "admitted": metrics.admitted.get(),
+            "queue_full": metrics.queue_full.get(),
+            "max_wait": metrics.max_wait.get(),
+            "cancelled": metrics.cancelled.get(),
+            "pauses": metrics.pauses.get(),
+            "retries": metrics.retries.get(),
+            "passed_through": metrics.passed_through.get(),
+        },
+    });
+    if let (Some(json), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        for (key, value) in extra {
+            // The group's own fields win: they are the live state.
+            json.entry(key).or_insert(value);
+        }
+    }
+    json
 }
