@@ -28,7 +28,8 @@
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
-//! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener),
+//! [`admin`] (a dashboard, `/metrics`, `/healthz`, `/status` on their own listener),
+//! [`health`] (`tollgate health`, the container's check of `/healthz`),
 //! [`precise_sleep`] (the queue's head waits for its slot on a kernel timer), and
 //! [`descriptors`] (the open-file limit, raised before the runtime starts).
 
@@ -43,6 +44,7 @@ pub mod config;
 pub mod connection;
 pub mod descriptors;
 pub mod error;
+pub mod health;
 pub mod host;
 pub mod intercept;
 pub mod limit;
