@@ -4,7 +4,7 @@
 //! Plain HTTP/1.1 over a blocking socket: the admin listener speaks nothing else, and
 //! a check that starts a runtime and a client would cost more than the proxy it checks.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -86,7 +86,13 @@ pub fn check(url: &str, timeout: Duration) -> Result<(), HealthError> {
             .filter(|d| !d.is_zero())
             .ok_or_else(|| HealthError::Io(format!("no answer within {timeout:?}")))
     };
-    let io = |e: std::io::Error| HealthError::Io(e.to_string());
+    let io = |e: std::io::Error| match e.kind() {
+        // What a socket timeout looks like on Linux (EAGAIN) and elsewhere.
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+            HealthError::Io(format!("no answer within {timeout:?}"))
+        }
+        _ => HealthError::Io(e.to_string()),
+    };
     let host = target.host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = (host, target.port)
         .to_socket_addrs()
