@@ -46,7 +46,11 @@ enum Command {
     /// (for container health checks, where there is no curl).
     Health {
         /// The URL to check.
-        #[arg(long, default_value = "http://127.0.0.1:9090/healthz")]
+        #[arg(
+            long,
+            env = "TOLLGATE_HEALTH_URL",
+            default_value = "http://127.0.0.1:9090/healthz"
+        )]
         url: String,
         /// Give up after this many seconds.
         #[arg(long, default_value_t = 2.0)]

@@ -1,5 +1,6 @@
 //! Operating tollgate: the admin dashboard as a real browser renders it, the `health`
-//! subcommand a container runs, and log lines without colour codes in a file.
+//! subcommand a container runs, log lines without colour codes in a file, and the
+//! compose file.
 
 mod support;
 
@@ -249,4 +250,58 @@ async fn logs_to_a_file_have_no_colour_codes() {
     let shown = String::from_utf8_lossy(&text);
     assert!(shown.contains("INFO"), "{shown}");
     assert!(!text.contains(&0x1b), "escape codes in the log file:\n{shown:?}");
+}
+
+// ---------------------------------------------------------------------------------
+// compose.yaml (no Docker engine here: scripts/check-compose checks what it can)
+// ---------------------------------------------------------------------------------
+
+/// `scripts/check-compose` on `compose`: its exit code and stderr.
+async fn check_compose(compose: &Path) -> (Option<i32>, String) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut cmd = clean_command("python3", &[]);
+    cmd.arg(format!("{root}/scripts/check-compose"))
+        .args(["--tollgate", env!("CARGO_BIN_EXE_tollgate")])
+        .arg(compose)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let out = tokio::time::timeout(BOUND, cmd.output())
+        .await
+        .expect("check-compose returned in time")
+        .expect("check-compose ran");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.code(), stderr)
+}
+
+#[tokio::test]
+async fn compose_file_is_consistent() {
+    let compose = Path::new(env!("CARGO_MANIFEST_DIR")).join("compose.yaml");
+    let (code, stderr) = check_compose(&compose).await;
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// The check is not a formality: a copy with a missing file, an admin listener the
+/// published port cannot reach and a Redis host that is no service fails it.
+#[tokio::test]
+async fn compose_check_finds_what_is_broken() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(root.join("compose.yaml"), dir.path().join("compose.yaml")).unwrap();
+    std::fs::copy(root.join("Dockerfile"), dir.path().join("Dockerfile")).unwrap();
+    let config = std::fs::read_to_string(root.join("deploy/compose/tollgate.toml")).unwrap();
+    let config = config
+        .replace("listen = \"0.0.0.0:9090\"", "listen = \"127.0.0.1:9090\"")
+        .replace("redis://redis:", "redis://elsewhere:");
+    std::fs::create_dir_all(dir.path().join("deploy/compose")).unwrap();
+    write_file(&dir.path().join("deploy/compose"), "tollgate.toml", &config);
+    // scripts/demo-upstream.py is left out.
+    let (code, stderr) = check_compose(&dir.path().join("compose.yaml")).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    for problem in [
+        "./scripts/demo-upstream.py does not exist",
+        "[admin] listen '127.0.0.1:9090' is unreachable",
+        "url names 'elsewhere', not a compose service",
+    ] {
+        assert!(stderr.contains(problem), "{problem} not in:\n{stderr}");
+    }
 }
