@@ -68,9 +68,9 @@ pub fn parse_status(head: &[u8]) -> Result<u16, HealthError> {
     let line = String::from_utf8_lossy(line);
     let mut words = line.split_whitespace();
     match (words.next(), words.next()) {
-        (Some(version), Some(code)) if version.starts_with("HTTP/1.") && code.len() == 3 => {
-            code.parse().map_err(|_| HealthError::BadResponse(line.to_string()))
-        }
+        (Some(version), Some(code)) if version.starts_with("HTTP/1.") && code.len() == 3 => code
+            .parse()
+            .map_err(|_| HealthError::BadResponse(line.to_string())),
         _ => Err(HealthError::BadResponse(line.trim_end().to_string())),
     }
 }
@@ -145,10 +145,16 @@ mod tests {
             })
         };
         let table = [
-            ("http://127.0.0.1:9090/healthz", t("127.0.0.1", 9090, "/healthz")),
+            (
+                "http://127.0.0.1:9090/healthz",
+                t("127.0.0.1", 9090, "/healthz"),
+            ),
             ("http://localhost/healthz", t("localhost", 80, "/healthz")),
             ("http://localhost:9090", t("localhost", 9090, "/")),
-            ("http://[::1]:9090/healthz?x=1", t("[::1]", 9090, "/healthz?x=1")),
+            (
+                "http://[::1]:9090/healthz?x=1",
+                t("[::1]", 9090, "/healthz?x=1"),
+            ),
             ("http://[::1]/healthz", t("[::1]", 80, "/healthz")),
         ];
         for (url, want) in table {
@@ -174,7 +180,10 @@ mod tests {
     #[test]
     fn status_lines() {
         assert_eq!(parse_status(b"HTTP/1.1 200 OK\r\n"), Ok(200));
-        assert_eq!(parse_status(b"HTTP/1.0 503 Service Unavailable\r\nx"), Ok(503));
+        assert_eq!(
+            parse_status(b"HTTP/1.0 503 Service Unavailable\r\nx"),
+            Ok(503)
+        );
         assert_eq!(parse_status(b"HTTP/1.1 404\r\n"), Ok(404));
         assert!(parse_status(b"").is_err());
         assert!(parse_status(b"SSH-2.0-OpenSSH\r\n").is_err());

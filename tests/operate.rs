@@ -122,7 +122,10 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
 
     let url = format!("http://{}/", proxy.admin.unwrap());
     let dom = headless(&url, &["--dump-dom"]).await;
-    assert!(dom.contains("data-polls="), "the page never rendered /status:\n{dom}");
+    assert!(
+        dom.contains("data-polls="),
+        "the page never rendered /status:\n{dom}"
+    );
     let section = group_section(&dom, "slow");
     assert_eq!(field(section, "queued"), "3");
     assert_eq!(field(section, "in_flight"), "0");
@@ -211,7 +214,10 @@ async fn health_gives_up_on_a_silent_server() {
     let started = Instant::now();
     let (code, stderr) = health(&format!("http://{}/healthz", silent.addr()), "0.5").await;
     assert_eq!(code, Some(1));
-    assert!(stderr.contains("timed out") || stderr.contains("within"), "{stderr}");
+    assert!(
+        stderr.contains("timed out") || stderr.contains("within"),
+        "{stderr}"
+    );
     // Far below BOUND: the timeout, not the test's bound, ended it.
     assert!(started.elapsed() < BOUND / 2, "{:?}", started.elapsed());
 }
@@ -243,13 +249,19 @@ async fn logs_to_a_file_have_no_colour_codes() {
             break text;
         }
         assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
-        assert!(Instant::now() < deadline, "tollgate never logged that it listens");
+        assert!(
+            Instant::now() < deadline,
+            "tollgate never logged that it listens"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     child.kill().await.unwrap();
     let shown = String::from_utf8_lossy(&text);
     assert!(shown.contains("INFO"), "{shown}");
-    assert!(!text.contains(&0x1b), "escape codes in the log file:\n{shown:?}");
+    assert!(
+        !text.contains(&0x1b),
+        "escape codes in the log file:\n{shown:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------
