@@ -147,6 +147,71 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
     proxy.shutdown().await;
 }
 
+/// An upstream that pushed back with `Retry-After: 600`: the card counts the pause
+/// down and highlights the push-back, while the request waits to be replayed.
+#[tokio::test]
+async fn dashboard_shows_a_pause_in_a_browser() {
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = answered.clone();
+    let upstream =
+        Upstream::start(
+            move |_| match count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+                0 => Reply::status(429).header("retry-after", "600"),
+                _ => Reply::ok("done"),
+            },
+        )
+        .await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "pushy"
+        hosts = ["127.0.0.1"]
+        max_wait = "15m"
+        max_pause = "15m"
+        "#,
+    )
+    .await;
+    let request = tokio::spawn(reqwest_via(&proxy, None).get(upstream.url("/")).send());
+    // Paused, with the request queued again for its replay.
+    wait_queued(&proxy, "pushy", 1).await;
+    let status: serde_json::Value =
+        serde_json::from_str(&admin_get(&proxy, "/status").await).unwrap();
+    let pushy = &status["groups"][0];
+    assert_eq!(pushy["counters"]["pauses"], 1, "{status}");
+    assert!(
+        pushy["paused_for_seconds"].as_f64().unwrap() > 500.0,
+        "{status}"
+    );
+
+    let dom = headless(
+        &format!("http://{}/", proxy.admin.unwrap()),
+        &["--dump-dom"],
+    )
+    .await;
+    let section = group_section(&dom, "pushy");
+    assert!(
+        dom.contains("class=\"group paused\" data-group=\"pushy\""),
+        "{section}"
+    );
+    let pause = field(section, "pause");
+    let seconds: f64 = pause
+        .strip_prefix("paused ")
+        .and_then(|p| p.strip_suffix(" s"))
+        .unwrap_or_else(|| panic!("pause shows {pause:?}"))
+        .parse()
+        .unwrap();
+    assert!(seconds > 500.0 && seconds <= 600.0, "{pause}");
+    assert!(
+        section.contains("class=\"hot\" data-field=\"pushbacks\"")
+            || section.contains("data-field=\"pushbacks\" class=\"hot\""),
+        "{section}"
+    );
+    assert!(field(section, "pushbacks").starts_with("1 pauses"));
+    assert_eq!(answered.load(std::sync::atomic::Ordering::SeqCst), 1);
+    request.abort();
+    proxy.shutdown().await;
+}
+
 /// The page is self-contained (no CDN, nothing to build) and /status stays JSON.
 #[tokio::test]
 async fn dashboard_page_loads_nothing_from_elsewhere() {
