@@ -1,8 +1,11 @@
 # syntax=docker/dockerfile:1
 # Build:  docker build -t tollgate .
-# Run:    docker run --rm -p 127.0.0.1:8080:8080 \
+# Run:    docker run --rm -p 127.0.0.1:8080:8080 -p 127.0.0.1:9090:9090 \
 #           -v "$PWD/config.toml:/etc/tollgate/config.toml:ro" \
 #           -v "$PWD/users:/etc/tollgate/users:ro" tollgate
+# The admin port reaches the container only if the mounted config says
+# `[admin] listen = "0.0.0.0:9090"` (the shipped config.toml keeps it on 127.0.0.1,
+# where only the HEALTHCHECK below reaches it). compose.yaml runs two replicas with Redis.
 # In the container the proxy listens on 0.0.0.0:8080 (TOLLGATE_LISTEN) whatever the file
 # says: set `[access] users = "/etc/tollgate/users"` in the mounted config (an htpasswd -B
 # file) before publishing the port beyond the host, and `[access] allow` for any
@@ -27,5 +30,9 @@ ENV TOLLGATE_CONFIG=/etc/tollgate/config.toml \
     TOLLGATE_LISTEN=0.0.0.0:8080
 USER tollgate
 EXPOSE 8080 9090
+# The image has no curl: the binary GETs its own admin /healthz (TOLLGATE_HEALTH_URL,
+# default http://127.0.0.1:9090/healthz; the config needs an [admin] listener there).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
+  CMD ["/usr/local/bin/tollgate", "health"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/tollgate"]

@@ -2,7 +2,9 @@
 """A demo upstream for the README: allows one request per second, answers
 `429 Too Many Requests` with `Retry-After: 1` to anything faster.
 
-    python3 scripts/demo-upstream.py [port]     # default 18099, on 127.0.0.1 only
+    python3 scripts/demo-upstream.py [port] [address]   # default 18099 on 127.0.0.1
+
+(compose.yaml runs it on 0.0.0.0 inside its own network.)
 """
 import http.server
 import sys
@@ -33,4 +35,5 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 port = int(sys.argv[1]) if len(sys.argv) > 1 else 18099
-http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+address = sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"
+http.server.ThreadingHTTPServer((address, port), Handler).serve_forever()

@@ -1,7 +1,14 @@
-//! The admin listener: `/metrics` (Prometheus), `/healthz`, `/status` (JSON per group).
+//! The admin listener: `/` (a live dashboard), `/metrics` (Prometheus), `/healthz`,
+//! `/status` (JSON per group).
 //!
 //! Kept on its own address so metrics and status are never exposed to, nor throttled
 //! with, the proxied traffic.
+//!
+//! The dashboard is one static page compiled into the binary (`admin/dashboard.html`)
+//! that polls `/status`; the only history behind it is the last minute of departures
+//! per second of each group ([`history`]), sampled here once a second.
+
+mod history;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,16 +20,30 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
+use tokio::time::{interval, Duration, MissedTickBehavior};
 
 use crate::body::{self, Body};
+use crate::limit::Group;
 use crate::proxy::Proxy;
+use history::History;
+
+/// The dashboard: HTML, CSS and JS in one file, no external resources.
+const DASHBOARD: &str = include_str!("admin/dashboard.html");
 
 /// Serves the admin endpoints on `listener` until `shutdown` completes.
 pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, shutdown: impl Future<Output = ()>) {
     tokio::pin!(shutdown);
+    let history = Arc::new(History::default());
+    let mut second = interval(Duration::from_secs(1));
+    second.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         let stream = tokio::select! {
             _ = &mut shutdown => return,
+            _ = second.tick() => {
+                let groups = proxy.limits().groups();
+                history.record(groups.iter().map(|g| (g.name.clone(), g.metrics.admitted.get())));
+                continue;
+            }
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
@@ -32,10 +53,11 @@ pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, shutdown: impl Futu
             },
         };
         let proxy = proxy.clone();
+        let history = history.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req| {
-                let proxy = proxy.clone();
-                async move { Ok::<_, Infallible>(answer(&proxy, req)) }
+                let (proxy, history) = (proxy.clone(), history.clone());
+                async move { Ok::<_, Infallible>(answer(&proxy, &history, req)) }
             });
             let _ = auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
@@ -44,7 +66,7 @@ pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, shutdown: impl Futu
     }
 }
 
-fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Body> {
+fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<Body> {
     let (status, content_type, text) = match (req.method(), req.uri().path()) {
         (&Method::GET, "/metrics") => (
             StatusCode::OK,
@@ -52,15 +74,19 @@ fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Body> {
             proxy.metrics().encode(),
         ),
         (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+        (&Method::GET, "/") => (
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            DASHBOARD.to_string(),
+        ),
         (&Method::GET, "/status") => {
-            let groups: Vec<_> = proxy.limits().groups().iter().map(|g| g.status()).collect();
-            let json = serde_json::json!({ "groups": groups });
+            let json = status(proxy, history);
             (StatusCode::OK, "application/json", format!("{json:#}\n"))
         }
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",
-            "tollgate admin: GET /metrics, /healthz or /status\n".to_string(),
+            "tollgate admin: GET / (dashboard), /metrics, /healthz or /status\n".to_string(),
         ),
     };
     let mut resp = Response::new(body::full(text));
@@ -70,4 +96,53 @@ fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Body> {
         header::HeaderValue::from_static(content_type),
     );
     resp
+}
+
+/// The `/status` document: the backend, and each group's snapshot with its configured
+/// limits and counters beside it.
+fn status(proxy: &Proxy, history: &History) -> serde_json::Value {
+    let backend = match proxy.redis() {
+        None => serde_json::json!({ "kind": "memory" }),
+        Some(redis) => serde_json::json!({
+            "kind": "redis",
+            "up": redis.is_up(),
+            "replicas": redis.replicas(),
+        }),
+    };
+    let groups: Vec<_> = (proxy.limits().groups().iter())
+        .map(|g| group_status(g, history))
+        .collect();
+    serde_json::json!({ "backend": backend, "groups": groups })
+}
+
+/// One group: its own snapshot (whatever fields it has), plus what was configured and
+/// its counters and recent departures.
+fn group_status(group: &Group, history: &History) -> serde_json::Value {
+    let mut json = serde_json::to_value(group.status()).unwrap_or_default();
+    let settings = &group.settings;
+    let metrics = &group.metrics;
+    let extra = serde_json::json!({
+        "configured_rates_per_second":
+            settings.rates.iter().map(|r| r.per_second()).collect::<Vec<_>>(),
+        "concurrency": settings.concurrency,
+        "queue_limit": settings.queue,
+        "adaptive": settings.adaptive,
+        "departures_per_second": history.per_second(&group.name),
+        "counters": {
+            "admitted": metrics.admitted.get(),
+            "queue_full": metrics.queue_full.get(),
+            "max_wait": metrics.max_wait.get(),
+            "cancelled": metrics.cancelled.get(),
+            "pauses": metrics.pauses.get(),
+            "retries": metrics.retries.get(),
+            "passed_through": metrics.passed_through.get(),
+        },
+    });
+    if let (Some(json), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        for (key, value) in extra {
+            // The group's own fields win: they are the live state.
+            json.entry(key).or_insert(value);
+        }
+    }
+    json
 }

@@ -30,7 +30,8 @@
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
 //! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
-//! [`admin`] (`/metrics`, `/healthz`, `/status` on their own listener),
+//! [`admin`] (a dashboard, `/metrics`, `/healthz`, `/status` on their own listener),
+//! [`health`] (`tollgate health`, the container's check of `/healthz`),
 //! [`precise_sleep`] (the queue's head waits for its slot on a kernel timer), and
 //! [`descriptors`] (the open-file limit, raised before the runtime starts).
 
@@ -46,6 +47,7 @@ pub mod connection;
 pub mod descriptors;
 pub mod error;
 pub mod half_close;
+pub mod health;
 pub mod host;
 pub mod intercept;
 pub mod limit;

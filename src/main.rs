@@ -42,6 +42,20 @@ enum Command {
         /// The file to check.
         file: PathBuf,
     },
+    /// Check a running tollgate: GET its admin `/healthz`; exit 0 on 200, 1 otherwise
+    /// (for container health checks, where there is no curl).
+    Health {
+        /// The URL to check.
+        #[arg(
+            long,
+            env = "TOLLGATE_HEALTH_URL",
+            default_value = "http://127.0.0.1:9090/healthz"
+        )]
+        url: String,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 2.0)]
+        timeout: f64,
+    },
     /// The CA that signs certificates for intercepted hosts (`[intercept]`).
     Ca {
         #[command(subcommand)]
@@ -83,6 +97,9 @@ fn main() -> ExitCode {
     }) = &cli.command
     {
         return ca_init(dir);
+    }
+    if let Some(Command::Health { url, timeout }) = &cli.command {
+        return health(url, *timeout);
     }
     init_logging(cli.log_format);
     tracing::debug!(
@@ -165,6 +182,19 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
     }
 }
 
+/// `tollgate health`: quiet on success, the reason on stderr otherwise.
+fn health(url: &str, timeout: f64) -> ExitCode {
+    let timeout = std::time::Duration::try_from_secs_f64(timeout)
+        .unwrap_or(std::time::Duration::from_secs(2));
+    match tollgate::health::check(url, timeout) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: {url}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// `tollgate ca init`: writes a new CA and says how to trust it.
 fn ca_init(dir: &std::path::Path) -> ExitCode {
     let (cert, key) = match tollgate::intercept::init(dir) {
@@ -237,10 +267,14 @@ async fn shutdown_signal() {
 }
 
 fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Colour codes only for a person at a terminal: in a file, journald or `docker
+    // logs` they are noise around every level and field name.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

@@ -319,6 +319,11 @@ impl Proxy {
         &self.metrics
     }
 
+    /// The shared Redis store, when `[backend]` is Redis, for the admin endpoints.
+    pub fn redis(&self) -> Option<&Arc<Redis>> {
+        self.redis.as_ref()
+    }
+
     /// The open CONNECT tunnels, which shutdown waits for.
     pub fn tunnels(&self) -> &TaskTracker {
         &self.tunnels
