@@ -28,7 +28,7 @@ use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
 use crate::limit::Group;
-use crate::ratelimit_headers::{names_a_rate_limit, pause_hint};
+use crate::ratelimit_headers::{announced, names_a_rate_limit, pause_hint};
 use crate::retry_after::{backoff, retry_after};
 
 /// What a response means for its group.
@@ -47,7 +47,10 @@ pub enum Verdict {
 /// `now` reads our wall clock at the response; it is called only for a response that
 /// says when to come back or carries rate-limit headers.
 /// `pushbacks_in_row` counts the group's push-backs since its last normal answer, for the
-/// fallback backoff; `jitter` is in `[0, 1)`.
+/// fallback backoff; `jitter` is in `[0, 1)`. `pace` is the group's emission interval
+/// when it is paced: a refusal that says nothing from a paced group means the request
+/// came slightly early, and it pauses for a small margin ([`BARE_MARGIN`] of the
+/// interval) instead of backing off from a second; the retry then takes the next slot.
 pub fn judge(
     status: u16,
     headers: &HeaderMap,
@@ -55,6 +58,7 @@ pub fn judge(
     now: impl Fn() -> SystemTime,
     pushbacks_in_row: u32,
     jitter: f64,
+    pace: Option<Duration>,
 ) -> Verdict {
     let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
     let max = settings.max_pause;
@@ -66,7 +70,10 @@ pub fn judge(
         None
     };
     if settings.retry_statuses.contains(&status) {
-        let fallback = || backoff(pushbacks_in_row, max, jitter);
+        let fallback = || match pace {
+            Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
+            None => backoff(pushbacks_in_row, max, jitter),
+        };
         match text(header::RETRY_AFTER) {
             Some(value) => {
                 let pause = retry_after(value, text(header::DATE), now(), max);
@@ -82,6 +89,9 @@ pub fn judge(
         _ => Verdict::Pass,
     }
 }
+
+/// The pause after a bare refusal from a paced group, as a fraction of its interval.
+pub const BARE_MARGIN: f64 = 0.1;
 
 /// A request that may have to be sent more than once.
 pub enum Replayable {
@@ -209,13 +219,20 @@ pub fn after_answer(
     } else {
         0.0
     };
+    let headers = response.headers();
+    if names_a_rate_limit(headers) {
+        if let Some(budget) = announced(headers, SystemTime::now()) {
+            group.learn(budget);
+        }
+    }
     let verdict = judge(
         status,
-        response.headers(),
+        headers,
         settings,
         SystemTime::now,
         group.pushbacks_in_row(),
         jitter,
+        group.pace(),
     );
     let pause = match verdict {
         Verdict::Pass => {
@@ -224,8 +241,10 @@ pub fn after_answer(
         }
         Verdict::Pause(pause) => {
             group.calm();
-            group.pause_for(pause);
-            record_pause(group, pause, "budget spent (rate-limit headers)");
+            if group.spent_budget_pauses(pause) {
+                group.pause_for(pause);
+                record_pause(group, pause, "budget spent (rate-limit headers)");
+            }
             return ControlFlow::Break(response);
         }
         Verdict::PushBack(pause) => pause,
@@ -285,6 +304,7 @@ mod tests {
             || now,
             0,
             0.5,
+            None,
         )
     }
 
@@ -305,14 +325,17 @@ mod tests {
             at
         };
         let plain = headers(&[("content-type", "text/plain"), ("retry-after", "5")]);
-        assert_eq!(judge(200, &plain, &settings, now, 0, 0.5), Verdict::Pass);
+        assert_eq!(
+            judge(200, &plain, &settings, now, 0, 0.5, None),
+            Verdict::Pass
+        );
         assert_eq!(reads.get(), 0, "an ordinary answer reads no clock");
         let refused = headers(&[("retry-after", "5")]);
-        let verdict = judge(429, &refused, &settings, now, 0, 0.5);
+        let verdict = judge(429, &refused, &settings, now, 0, 0.5, None);
         assert_eq!(verdict, Verdict::PushBack(Duration::from_secs(5)));
         assert_eq!(reads.get(), 1, "a Retry-After is read against the clock");
         let spent = headers(&[("ratelimit", r#""default";r=0;t=30"#)]);
-        let verdict = judge(200, &spent, &settings, now, 0, 0.5);
+        let verdict = judge(200, &spent, &settings, now, 0, 0.5, None);
         assert_eq!(verdict, Verdict::Pause(Duration::from_secs(30)));
         assert_eq!(reads.get(), 2, "so is a rate-limit header");
     }
@@ -394,8 +417,47 @@ mod tests {
             SystemTime::now,
             0,
             0.0,
+            None,
         );
         assert_eq!(v, Verdict::Pass);
+    }
+
+    #[test]
+    fn a_bare_429_from_a_paced_group_waits_a_margin_not_a_backoff() {
+        let settings = GroupSettings::default();
+        let ms = Duration::from_millis;
+        // (pushbacks in a row, pace, pause)
+        let cases = [
+            (0, Some(ms(200)), ms(20)),
+            (5, Some(ms(200)), ms(20)),
+            (0, Some(Duration::from_secs(7200)), Duration::from_secs(600)),
+            (0, None, ms(750)),
+            (2, None, Duration::from_secs(3)),
+        ];
+        for (in_row, pace, want) in cases {
+            let v = judge(
+                429,
+                &HeaderMap::new(),
+                &settings,
+                SystemTime::now,
+                in_row,
+                0.5,
+                pace,
+            );
+            assert_eq!(v, Verdict::PushBack(want), "{in_row} {pace:?}");
+        }
+        // Anything the upstream says still wins.
+        let said = headers(&[("retry-after", "2")]);
+        let v = judge(
+            429,
+            &said,
+            &settings,
+            SystemTime::now,
+            0,
+            0.5,
+            Some(ms(200)),
+        );
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(2)));
     }
 
     #[test]
