@@ -40,6 +40,9 @@ pub enum Verdict {
     Pause(Duration),
     /// The upstream refused the request: pause, and retry it if possible.
     PushBack(Duration),
+    /// The upstream refused the request without saying when to come back: pause for
+    /// this guess (a backoff, or a margin when paced), and retry it if possible.
+    Refused(Duration),
 }
 
 /// Judges an upstream response. Pure: the time and the jitter come in as arguments.
@@ -70,18 +73,20 @@ pub fn judge(
         None
     };
     if settings.retry_statuses.contains(&status) {
-        let fallback = || match pace {
-            Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
-            None => backoff(pushbacks_in_row, max, jitter),
+        let fallback = || {
+            Verdict::Refused(match pace {
+                Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
+                None => backoff(pushbacks_in_row, max, jitter),
+            })
         };
         match text(header::RETRY_AFTER) {
             Some(value) => {
-                let pause = retry_after(value, text(header::DATE), now(), max);
-                return Verdict::PushBack(pause.unwrap_or_else(fallback));
+                let said = retry_after(value, text(header::DATE), now(), max);
+                return said.map_or_else(fallback, Verdict::PushBack);
             }
             // A 503 that does not say when to come back is an outage, not a limit.
             None if status == 503 => {}
-            None => return Verdict::PushBack(hint.unwrap_or_else(fallback)),
+            None => return hint.map_or_else(fallback, Verdict::PushBack),
         }
     }
     match hint {
@@ -247,9 +252,11 @@ pub fn after_answer(
             }
             return ControlFlow::Break(response);
         }
-        Verdict::PushBack(pause) => pause,
+        Verdict::PushBack(pause) => (pause, true),
+        Verdict::Refused(pause) => (pause, false),
     };
-    group.push_back(pause);
+    let (pause, said) = pause;
+    group.push_back(pause, said);
     record_pause(group, pause, "upstream pushed back");
     let in_time = arrived
         .checked_add(settings.max_wait)
@@ -369,7 +376,7 @@ mod tests {
     #[test]
     fn garbage_falls_back_to_backoff() {
         match judged(429, &[("retry-after", "soon")]) {
-            Verdict::PushBack(d) => assert!(d <= Duration::from_secs(1), "{d:?}"),
+            Verdict::Refused(d) => assert!(d <= Duration::from_secs(1), "{d:?}"),
             v => panic!("{v:?}"),
         }
     }
@@ -444,7 +451,7 @@ mod tests {
                 0.5,
                 pace,
             );
-            assert_eq!(v, Verdict::PushBack(want), "{in_row} {pace:?}");
+            assert_eq!(v, Verdict::Refused(want), "{in_row} {pace:?}");
         }
         // Anything the upstream says still wins.
         let said = headers(&[("retry-after", "2")]);

@@ -11,11 +11,15 @@
 //!   window is the longest time to `Reset` seen so far, rounded up to a whole second
 //!   (a window starts with a full time to reset, and windows are whole seconds);
 //! * **refusals** — an upstream that says nothing about its budget still shows it: the
-//!   requests it accepted since the last pause, over the time from the first of them
-//!   to the end of the pause its refusal asks for, is the rate it let through;
-//! * a refusal of a request that was already **paced** means "slightly too fast": the
-//!   rate steps down by [`STEP_DOWN`] once per episode and climbs back by [`CLIMB`] of
-//!   the learned rate per calm second, never above it.
+//!   requests it accepted since the last pause, over the time since the first of them
+//!   (or the pause its refusal asks for, when longer: a burst answered at once), is
+//!   the rate it let through. When it did not even say how long to pause (a bare
+//!   `429`), that rate is only a floor, and it is probed upwards ("slow start":
+//!   × [`SLOW_START`] each half calm interval) until a paced request is refused;
+//! * a refusal of a request that was already **paced** means "slightly too fast"
+//!   (AIMD): the rate steps down to [`STEP_DOWN`] of the pace, at most once per two
+//!   intervals, and each calm second climbs half the way back (at least [`CLIMB`])
+//!   to a ceiling: the announced rate, else [`MARGIN`] under the pace refused.
 //!
 //! Every learned rate is spent at [`MARGIN`] of itself: a window that allows exactly
 //! `q` requests, paced at exactly `q / w` with a millisecond of jitter, would see
@@ -30,14 +34,11 @@ use tokio::time::Instant;
 pub const MARGIN: f64 = 0.98;
 /// A refusal of a paced request lowers the learned rate to this fraction of the pace.
 pub const STEP_DOWN: f64 = 0.95;
-/// Each calm interval without a refusal climbs back by this fraction of the rate
-/// learned before the step-downs.
+/// The least a calm interval climbs back, as a fraction of the ceiling.
 pub const CLIMB: f64 = 0.01;
 /// A step down and a climb are this far apart at least; so are two step-downs (one
 /// overload answers several requests in flight at once).
 pub const CALM: Duration = Duration::from_secs(1);
-/// Fewer accepted answers than this before a refusal say too little to learn from.
-const MIN_SAMPLE: u32 = 2;
 
 /// Where the learned rate comes from, as shown in `/status` and the metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -82,8 +83,12 @@ pub struct Learner {
     base: Option<(f64, Source)>,
     /// The longest time to reset seen with a quota but no window.
     window: Duration,
-    /// The fraction of `base` in force after step-downs.
+    /// The fraction of `base` in force: below 1 after step-downs; above 1 while a rate
+    /// learned from bare refusals is still being probed upwards (`slow_start`).
     factor: f64,
+    /// The base is only a floor (the upstream said nothing, and let through what it
+    /// was offered): the rate climbs fast until the first refusal of a paced request.
+    slow_start: bool,
     changed: Instant,
     stepped_at: Option<Instant>,
     /// Accepted answers since the last refusal episode ended, and when the first of
@@ -95,6 +100,12 @@ pub struct Learner {
     episode: Option<(Instant, bool)>,
 }
 
+/// Fewer accepted answers than this say too little about a paced group's upstream.
+const MIN_PACED_SAMPLE: u32 = 4;
+/// While probing upwards (`slow_start`), each half calm interval multiplies the rate
+/// by this.
+pub const SLOW_START: f64 = 1.5;
+
 impl Learner {
     /// Nothing learned yet, as of `now`.
     pub fn new(now: Instant) -> Learner {
@@ -102,6 +113,7 @@ impl Learner {
             base: None,
             window: Duration::ZERO,
             factor: 1.0,
+            slow_start: false,
             changed: now,
             stepped_at: None,
             accepted: 0,
@@ -141,11 +153,14 @@ impl Learner {
         }
         let rate = budget.quota as f64 / window.as_secs_f64();
         // An announced budget outranks one guessed from refusals, and is replaced by a
-        // newer announcement (the upstream may change its plan).
+        // newer announcement (the upstream may change its plan); step-downs stay.
         let moved = self.base != Some((rate, budget.source));
         if moved {
+            if self.base.is_none_or(|(_, s)| s == Source::Refusals) {
+                self.factor = 1.0;
+            }
             self.base = Some((rate, budget.source));
-            self.factor = 1.0;
+            self.slow_start = false;
         }
         moved
     }
@@ -163,77 +178,127 @@ impl Learner {
         self.first_accepted.get_or_insert(now);
     }
 
-    /// The upstream refused a request at `now` and asks for `pause`; `pace` is the
-    /// rate the group was held to (per second), if any. Returns whether the learned
-    /// rate moved.
+    /// What the upstream let through: the accepted answers of the sample over the time
+    /// since the first of them, or over the pause when that is longer (a burst answered
+    /// at once); with their count.
+    fn seen(&self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
+        let first = self.first_accepted?;
+        let span = (now - first).max(pause).as_secs_f64();
+        (self.accepted > 0 && span > 0.0).then(|| (f64::from(self.accepted) / span, self.accepted))
+    }
+
+    /// The upstream refused a request at `now` and asks for `pause`; `said`: it said
+    /// how long (else `pause` is a guess); `pace` is the rate the group was held to
+    /// (per second), if any. Returns whether the learned rate moved.
     ///
     /// One overload answers a burst with a refusal each, and the accepted answers of
     /// that burst may come after the first refusal: the refusals until the pause ends
-    /// are one episode, and its sample (the accepted answers before and during it) is
-    /// read again at each, so the estimate does not depend on the order of answers.
-    pub fn refused(&mut self, now: Instant, pause: Duration, pace: Option<f64>) -> bool {
+    /// are one episode, and its sample is read again at each, so the estimate does not
+    /// depend on the order of the answers.
+    pub fn refused(
+        &mut self,
+        now: Instant,
+        pause: Duration,
+        said: bool,
+        pace: Option<f64>,
+    ) -> bool {
         let before = self.rate();
-        let (end, may_learn, new) = match self.episode {
-            Some((end, may_learn)) if now < end => ((now + pause).max(end), may_learn, false),
-            _ => {
-                let announced = self.base.is_some_and(|(_, s)| s != Source::Refusals);
-                (now + pause, !announced, true)
+        if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
+            let end = end.max(now + pause);
+            if let (true, Some((seen, _))) = (refine, self.seen(now, end - now)) {
+                self.learn(seen, now);
             }
-        };
-        let seen = match (self.accepted, self.first_accepted) {
-            (n, Some(first)) if n >= MIN_SAMPLE => {
-                let span = (end - first).as_secs_f64();
-                (span > 0.0).then(|| f64::from(n) / span)
+            self.episode = Some((end, refine));
+            return self.rate() != before;
+        }
+        let announced = self.announced_rate().is_some();
+        let seen = self.seen(now, pause);
+        let refine = match pace {
+            // Unpaced: whatever it let through is the first estimate.
+            None => {
+                if let (false, Some((seen, _))) = (announced, seen) {
+                    self.learn(seen, now);
+                }
+                // Learned now or later in the episode, a rate guessed from refusals
+                // that said nothing is only a floor.
+                self.slow_start = !announced && !said;
+                !announced
             }
-            _ => None,
-        };
-        // What it let through says nothing new when it announced its budget.
-        let too_fast = |pace: f64| !may_learn || seen.is_none_or(|seen| seen >= pace * STEP_DOWN);
-        let may_learn = match pace {
-            // Refused while paced at about what it let through: "slightly too fast".
-            Some(pace) if new && too_fast(pace) => {
+            // Paced, and it let through clearly less than the pace: that is its rate
+            // (unless probing upwards, when the sample is of slower paces).
+            Some(pace)
+                if !announced
+                    && !self.slow_start
+                    && seen.is_some_and(|(s, n)| n >= MIN_PACED_SAMPLE && s < pace * STEP_DOWN) =>
+            {
+                self.learn(seen.map_or(pace, |(s, _)| s), now);
+                self.slow_start = false;
+                false
+            }
+            // Paced at about what it lets through: "slightly too fast".
+            Some(pace) => {
                 self.step_down(now, pace);
                 false
             }
-            _ => may_learn,
         };
-        if let (Some(seen), true) = (seen, may_learn) {
-            self.base = Some((seen / MARGIN, Source::Refusals));
-            self.factor = 1.0;
-            self.changed = now;
-            self.stepped_at = Some(now);
-        }
-        self.episode = Some((end, may_learn));
+        self.episode = Some((now + pause, refine));
         self.rate() != before
     }
 
-    /// Lowers the rate in force to [`STEP_DOWN`] of `pace`, once per episode.
+    fn learn(&mut self, seen: f64, now: Instant) {
+        self.base = Some((seen, Source::Refusals));
+        self.factor = 1.0;
+        self.changed = now;
+        self.stepped_at = Some(now);
+    }
+
+    /// Lowers the rate in force to [`STEP_DOWN`] of `pace`, at most once per two of
+    /// its intervals (or per [`CALM`] when that is shorter): the requests in flight
+    /// when it stepped were sent at the old pace, and their refusals say nothing new.
     fn step_down(&mut self, now: Instant, pace: f64) {
-        if self.stepped_at.is_some_and(|at| now - at < CALM) {
+        let episode = CALM.min(Duration::from_secs_f64(2.0 / pace.max(1e-6)));
+        if self.stepped_at.is_some_and(|at| now - at < episode) {
             return;
         }
         self.stepped_at = Some(now);
         self.changed = now;
-        let target = pace * STEP_DOWN;
         match self.base {
-            Some((base, _)) if base > 0.0 => {
-                self.factor = (target / (base * MARGIN)).min(self.factor * STEP_DOWN);
+            // Below what the upstream announced, which stays the ceiling.
+            Some((base, source)) if source != Source::Refusals && base > 0.0 => {
+                let target = pace * STEP_DOWN / (base * MARGIN);
+                self.factor = target.min(self.factor * STEP_DOWN).max(0.01);
             }
+            // Probing upwards, it went too far in the last step: back to halfway
+            // between that step's start and the pace refused.
+            _ if self.slow_start => {
+                let halfway = (pace / SLOW_START + pace) / 2.0;
+                self.base = Some((halfway / MARGIN, Source::Refusals));
+                self.factor = 1.0;
+            }
+            // Below the pace refused; the margin under it is the ceiling to climb
+            // back to.
             _ => {
-                self.base = Some((pace / MARGIN, Source::Refusals));
-                self.factor = STEP_DOWN;
+                self.base = Some((pace, Source::Refusals));
+                self.factor = STEP_DOWN / MARGIN;
             }
         }
-        self.factor = self.factor.clamp(0.01, 1.0);
+        self.slow_start = false;
     }
 
-    /// A request departs at `now`: after a calm interval the rate climbs one step.
-    /// Returns whether the learned rate moved.
+    /// A request departs at `now`: after a calm interval the rate climbs one step
+    /// (fast while probing upwards). Returns whether the learned rate moved.
     pub fn departed(&mut self, now: Instant) -> bool {
-        if self.factor >= 1.0 || now - self.changed < CALM {
+        if self.base.is_none() {
             return false;
         }
-        self.factor = (self.factor + CLIMB).min(1.0);
+        if self.slow_start && now - self.changed >= CALM / 2 {
+            self.factor *= SLOW_START;
+        } else if !self.slow_start && self.factor < 1.0 && now - self.changed >= CALM {
+            // Half the way back to the ceiling each calm interval, at least a step.
+            self.factor = (self.factor + ((1.0 - self.factor) / 2.0).max(CLIMB)).min(1.0);
+        } else {
+            return false;
+        }
         self.changed = now;
         true
     }
@@ -244,10 +309,11 @@ impl Learner {
 /// that many requests per second.
 ///
 /// The last request of a window sees `Remaining: 0`. When the group's pace keeps it
-/// inside the announced budget and the window reopens before its next slot, the pause
-/// would hold nobody, or, read a little late, stall the group past the window it is
-/// entitled to: it does not pause. Any other spent budget (another client shares it,
-/// a burst spent it early, or nothing says the pace fits) pauses.
+/// inside the announced budget, its next slot falls in the next window anyway, and a
+/// pause until a reset read a little late (a reset in whole seconds is rounded up)
+/// would stall it past the window it is entitled to: a reset due within one interval
+/// plus [`RESET_ROUNDING`] does not pause. Any other spent budget (another client
+/// shares it, a burst spent it early, or nothing says the pace fits) pauses.
 pub fn spent_budget_pauses(
     pause: Duration,
     pace: Option<Duration>,
@@ -256,10 +322,13 @@ pub fn spent_budget_pauses(
     let fits =
         |pace: Duration, announced: f64| 1.0 / pace.as_secs_f64() <= announced * (1.0 + 1e-9);
     match (pace, announced) {
-        (Some(pace), Some(announced)) => !(pause <= pace && fits(pace, announced)),
+        (Some(pace), Some(announced)) => !(pause <= pace + RESET_ROUNDING && fits(pace, announced)),
         _ => true,
     }
 }
+
+/// How late a reset given in whole seconds may be read: up to a second.
+pub const RESET_ROUNDING: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {
@@ -288,7 +357,8 @@ mod tests {
         let cases = [
             (MS * 150, ms(200), Some(5.0), false),
             (MS * 200, ms(200), Some(5.0), false),
-            (MS * 250, ms(200), Some(5.0), true),
+            (MS * 1200, ms(200), Some(5.0), false),
+            (MS * 1250, ms(200), Some(5.0), true),
             (MS * 150, ms(125), Some(5.0), true),
             (MS * 150, ms(200), None, true),
             (MS * 150, None, Some(5.0), true),
@@ -309,15 +379,15 @@ mod tests {
         let mut l = Learner::new(t0);
         // 30 sent at once: one refusal comes back first, then the five accepted, then
         // the other refusals. The sample is read again within the episode.
-        l.refused(t0 + MS, S, None);
+        l.refused(t0 + MS, S, true, None);
         assert_eq!(l.rate(), None);
         for _ in 0..5 {
             l.accepted(t0 + MS * 2);
         }
         for _ in 0..24 {
-            l.refused(t0 + MS * 3, S, None);
+            l.refused(t0 + MS * 3, S, true, None);
         }
-        assert_eq!(rate(&l), Some(4.995));
+        assert_eq!(rate(&l), Some(4.9));
         // After the pause, accepted answers start a new sample.
         l.accepted(t0 + S * 2);
         assert_eq!(l.accepted, 1);
@@ -369,17 +439,48 @@ mod tests {
         for _ in 0..5 {
             l.accepted(t0);
         }
-        assert!(l.refused(t0 + MS, S, None));
+        assert!(l.refused(t0 + MS, S, true, None));
         assert_eq!(l.rate().unwrap().1, Source::Refusals);
-        assert_eq!(rate(&l), Some(4.995));
-        // The other refusals of that burst come with no new acceptance: the same.
-        l.refused(t0 + MS * 2, S, None);
-        assert_eq!(rate(&l), Some(4.99));
-        // One acceptance says too little.
+        assert_eq!(rate(&l), Some(4.9));
+        // The other refusals of that burst come with no new acceptance: about the same.
+        l.refused(t0 + MS * 2, S, true, None);
+        assert_eq!(rate(&l), Some(4.9));
+        // Nothing accepted yet: nothing learned.
         let mut l = Learner::new(t0);
-        l.accepted(t0);
-        assert!(!l.refused(t0, S, None));
+        assert!(!l.refused(t0, S, true, None));
         assert_eq!(l.rate(), None);
+    }
+
+    #[test]
+    fn a_rate_learned_from_bare_refusals_climbs_fast_until_a_paced_refusal() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // One accepted, the rest refused with nothing said, and a guessed 750 ms pause.
+        l.accepted(t0);
+        assert!(l.refused(t0, MS * 750, false, None));
+        assert_eq!(rate(&l), Some(1.307));
+        // Each calm half second multiplies it by 1.5: the upstream may allow much more.
+        assert!(!l.departed(t0 + MS * 400));
+        for half in 1..=4 {
+            assert!(l.departed(t0 + MS * (500 * half)));
+        }
+        assert_eq!(rate(&l), Some(6.615));
+        // A paced request refused: halfway back between 4.41 and 6.615, and no more
+        // probing upwards.
+        assert!(l.refused(t0 + S * 2, MS * 66, false, Some(6.615)));
+        assert_eq!(rate(&l), Some(5.513));
+        assert!(!l.departed(t0 + S * 3));
+        // Refused again: 5 % under that pace, then half the way back each calm second
+        // to 2 % under the pace refused.
+        assert!(l.refused(t0 + S * 3, MS * 18, false, Some(5.513)));
+        assert_eq!(rate(&l), Some(5.237));
+        let climbed: Vec<_> = (4..=7)
+            .map(|s| {
+                l.departed(t0 + S * s);
+                rate(&l).unwrap()
+            })
+            .collect();
+        assert_eq!(climbed, [5.32, 5.374, 5.403, 5.403]);
     }
 
     #[test]
@@ -391,16 +492,29 @@ mod tests {
         for i in 0..100 {
             l.accepted(t0 + MS * (100 * i));
         }
-        assert!(l.refused(t0 + S * 10, Duration::ZERO, Some(10.0)));
+        assert!(l.refused(t0 + S * 10, Duration::ZERO, false, Some(10.0)));
         assert_eq!(rate(&l), Some(9.5));
-        assert!(!l.refused(t0 + S * 10 + MS * 500, Duration::ZERO, Some(9.5)));
-        assert!(l.refused(t0 + S * 11, Duration::ZERO, Some(9.5)));
+        // Within two intervals of the step: the same episode.
+        assert!(!l.refused(t0 + S * 10 + MS * 100, Duration::ZERO, false, Some(9.5)));
+        assert!(l.refused(t0 + S * 10 + MS * 500, Duration::ZERO, false, Some(9.5)));
         assert_eq!(rate(&l), Some(9.025));
-        // Calm seconds with traffic climb back 1 % of the base each, up to the base.
-        for s in 12..=200 {
+        // Calm seconds climb back to 2 % under the last pace refused.
+        for s in 11..=40 {
             l.departed(t0 + S * s);
         }
-        assert_eq!(rate(&l), Some(10.0));
+        assert_eq!(rate(&l), Some(9.31));
+    }
+
+    #[test]
+    fn a_paced_refusal_learns_what_the_upstream_let_through_when_far_below_the_pace() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // Told 8/s; the upstream let 5/s through for 2 s.
+        for i in 0..10 {
+            l.accepted(t0 + MS * (200 * i));
+        }
+        assert!(l.refused(t0 + S * 2, MS * 12, false, Some(8.0)));
+        assert_eq!(rate(&l), Some(4.9));
     }
 
     #[test]
@@ -411,7 +525,7 @@ mod tests {
         for _ in 0..3 {
             l.accepted(t0);
         }
-        l.refused(t0, S, Some(4.9));
+        l.refused(t0, S, true, Some(4.9));
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::LimitAndReset);
         assert!((r - 4.9 * STEP_DOWN).abs() < 1e-9, "{r}");
