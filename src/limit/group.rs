@@ -363,6 +363,7 @@ impl Group {
                 state.rates.set_factor(factor);
             }
             let pace = state.rates.pace().map(|p| 1.0 / p.as_secs_f64());
+            state.learner.set_replicas(self.store.replicas());
             if state.learner.refused(now, pause, said, pace) {
                 self.relearn(&mut state);
             }

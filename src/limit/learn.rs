@@ -91,6 +91,9 @@ pub struct Learner {
     slow_start: bool,
     changed: Instant,
     stepped_at: Option<Instant>,
+    /// How many replicas share the upstream's budget: this one sees that fraction of
+    /// the traffic, and what the upstream let through is this many times its sample.
+    replicas: u32,
     /// Accepted answers since the last refusal episode ended, and when the first of
     /// them came.
     accepted: u32,
@@ -116,6 +119,7 @@ impl Learner {
             slow_start: false,
             changed: now,
             stepped_at: None,
+            replicas: 1,
             accepted: 0,
             first_accepted: None,
             episode: None,
@@ -184,7 +188,18 @@ impl Learner {
     fn seen(&self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
         let first = self.first_accepted?;
         let span = (now - first).max(pause).as_secs_f64();
-        (self.accepted > 0 && span > 0.0).then(|| (f64::from(self.accepted) / span, self.accepted))
+        let rate = f64::from(self.accepted) * f64::from(self.replicas) / span;
+        (self.accepted > 0 && span > 0.0).then_some((rate, self.accepted))
+    }
+
+    /// `replicas` share the upstream's budget (1 unless the store is shared). Probing
+    /// upwards is off when they are several: the other replicas' refusals are not
+    /// seen here, and one replica would probe on alone.
+    pub fn set_replicas(&mut self, replicas: u32) {
+        self.replicas = replicas.max(1);
+        if self.replicas > 1 {
+            self.slow_start = false;
+        }
     }
 
     /// The upstream refused a request at `now` and asks for `pause`; `said`: it said
@@ -221,7 +236,7 @@ impl Learner {
                 }
                 // Learned now or later in the episode, a rate guessed from refusals
                 // that said nothing is only a floor.
-                self.slow_start = !announced && !said;
+                self.slow_start = !announced && !said && self.replicas == 1;
                 !announced
             }
             // Paced, and it let through clearly less than the pace: that is its rate
@@ -503,6 +518,18 @@ mod tests {
             l.departed(t0 + S * s);
         }
         assert_eq!(rate(&l), Some(9.31));
+    }
+
+    #[test]
+    fn a_shared_budget_counts_what_the_other_replicas_sent_and_does_not_probe() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        l.accepted(t0);
+        assert!(l.refused(t0, MS * 750, false, None));
+        // One accepted here, about three in all.
+        assert_eq!(rate(&l), Some(3.92));
+        assert!(!l.departed(t0 + S * 5));
     }
 
     #[test]
