@@ -182,10 +182,11 @@ impl Proxy {
         let mut attempt = 0;
         loop {
             let permit = admit(group, *cost, arrived, attempt > 0).await?;
+            let sent = Instant::now();
             let send = Box::pin(self.upstream.send(request.attempt(attempt), permit));
             let response = send.await?;
             let replay = request.can_replay();
-            match pushback::after_answer(group, arrived, replay, attempt, response) {
+            match pushback::after_answer(group, arrived, sent, replay, attempt, response) {
                 ControlFlow::Break(response) => return Ok(response),
                 ControlFlow::Continue(()) => attempt += 1,
             }

@@ -205,12 +205,13 @@ fn owned_head(mut parts: http::request::Parts) -> http::request::Parts {
     parts
 }
 
-/// Acts on the upstream's answer to attempt `attempt` of a request of `group` that
-/// arrived at `arrived`: pauses the group as the answer says, and either hands the
+/// Acts on the upstream's answer to attempt `attempt`, sent at `sent`, of a request
+/// of `group` that arrived at `arrived`: pauses the group as the answer says, and either hands the
 /// answer over (`Break`) or asks for the request to be sent again (`Continue`).
 pub fn after_answer(
     group: &Group,
     arrived: Instant,
+    sent: Instant,
     can_replay: bool,
     attempt: u32,
     response: Response<Body>,
@@ -246,7 +247,7 @@ pub fn after_answer(
         }
         Verdict::Pause(pause) => {
             group.calm();
-            if group.spent_budget_pauses(pause) {
+            if group.spent_budget_pauses() {
                 group.pause_for(pause);
                 record_pause(group, pause, "budget spent (rate-limit headers)");
             }
@@ -256,7 +257,7 @@ pub fn after_answer(
         Verdict::Refused(pause) => (pause, false),
     };
     let (pause, said) = pause;
-    group.push_back(pause, said);
+    group.push_back(pause, said, sent);
     record_pause(group, pause, "upstream pushed back");
     let in_time = arrived
         .checked_add(settings.max_wait)

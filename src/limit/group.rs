@@ -350,10 +350,10 @@ impl Group {
         self.store.pause(&self.name, pause);
     }
 
-    /// The upstream pushed back: pause the group for `pause` (`said`: the upstream said
-    /// so, else it is a guess), learn from the refusal, and in adaptive mode slow its
-    /// rate down.
-    pub fn push_back(&self, pause: Duration, said: bool) {
+    /// The upstream pushed back on a request sent at `sent`: pause the group for
+    /// `pause` (`said`: the upstream said so, else it is a guess), learn from the
+    /// refusal, and in adaptive mode slow its rate down.
+    pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) {
         {
             let mut state = self.lock();
             let now = Instant::now();
@@ -364,7 +364,7 @@ impl Group {
             }
             let pace = state.rates.pace().map(|p| 1.0 / p.as_secs_f64());
             state.learner.set_replicas(self.store.replicas());
-            if state.learner.refused(now, pause, said, pace) {
+            if state.learner.refused(now, sent, pause, said, pace) {
                 self.relearn(&mut state);
             }
         }
@@ -382,7 +382,7 @@ impl Group {
     /// An answer announced the upstream's budget.
     pub fn learn(&self, budget: Announced) {
         let mut state = self.lock();
-        if state.learner.announced(budget) {
+        if state.learner.announced(budget, Instant::now()) {
             self.relearn(&mut state);
         }
     }
@@ -392,12 +392,15 @@ impl Group {
         self.lock().rates.pace()
     }
 
-    /// Whether a spent budget announced with a reset in `pause` should pause the group
+    /// Whether a spent budget (`Remaining: 0`) should pause the group now
     /// ([`learn::spent_budget_pauses`]).
-    pub fn spent_budget_pauses(&self, pause: Duration) -> bool {
+    pub fn spent_budget_pauses(&self) -> bool {
         let state = self.lock();
-        let announced = state.learner.announced_rate();
-        learn::spent_budget_pauses(pause, state.rates.pace(), announced)
+        let announced = state.learner.announced_budget();
+        let ours = announced.map_or(0, |(_, window)| {
+            state.learner.accepted_within(Instant::now(), window)
+        });
+        learn::spent_budget_pauses(state.rates.pace(), announced, ours)
     }
 
     /// The learned rate changed: the rates and the metric follow.
@@ -786,7 +789,7 @@ mod tests {
         for _ in 0..5 {
             g.calm();
         }
-        g.push_back(Duration::from_secs(1), true);
+        g.push_back(Duration::from_secs(1), true, Instant::now());
         let status = g.status();
         assert_eq!(status.learned_from, Some(Source::Refusals));
         let rate = status.learned_rate_per_second.unwrap();
@@ -904,11 +907,11 @@ mod tests {
     async fn adaptive_halves_once_per_episode_and_climbs_back_when_calm() {
         let g = group("100/s", |s| s.adaptive = true);
         let rate = |g: &Group| g.status().effective_rates_per_second[0].round();
-        g.push_back(Duration::ZERO, true);
-        g.push_back(Duration::ZERO, true); // same episode: no second halving
+        g.push_back(Duration::ZERO, true, Instant::now());
+        g.push_back(Duration::ZERO, true, Instant::now()); // same episode: no second halving
         assert_eq!(rate(&g), 50.0);
         tokio::time::sleep(Duration::from_secs(2)).await;
-        g.push_back(Duration::ZERO, true);
+        g.push_back(Duration::ZERO, true, Instant::now());
         assert_eq!(rate(&g), 25.0);
         for _ in 0..5 {
             tokio::time::sleep(Duration::from_secs(1)).await;

@@ -11,9 +11,9 @@
 //!   window is the longest time to `Reset` seen so far, rounded up to a whole second
 //!   (a window starts with a full time to reset, and windows are whole seconds);
 //! * **refusals** — an upstream that says nothing about its budget still shows it: the
-//!   requests it accepted since the last pause, over the time since the first of them
-//!   (or the pause its refusal asks for, when longer: a burst answered at once), is
-//!   the rate it let through. When it did not even say how long to pause (a bare
+//!   requests it accepted in the last seconds ([`HORIZON`]), over the time since the
+//!   first of them (or the pause its refusal asks for, when longer: a burst answered
+//!   at once), is the rate it let through. When it did not even say how long to pause (a bare
 //!   `429`), that rate is only a floor, and it is probed upwards ("slow start":
 //!   × [`SLOW_START`] each half calm interval) until a paced request is refused;
 //! * a refusal of a request that was already **paced** means "slightly too fast"
@@ -25,6 +25,7 @@
 //! `q` requests, paced at exactly `q / w` with a millisecond of jitter, would see
 //! `q + 1` now and then. The decisions are pure; the caller passes the time in.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -83,6 +84,8 @@ pub struct Learner {
     base: Option<(f64, Source)>,
     /// The longest time to reset seen with a quota but no window.
     window: Duration,
+    /// The last budget announced: quota per window.
+    budget: Option<(u64, Duration)>,
     /// The fraction of `base` in force: below 1 after step-downs; above 1 while a rate
     /// learned from bare refusals is still being probed upwards (`slow_start`).
     factor: f64,
@@ -91,18 +94,24 @@ pub struct Learner {
     slow_start: bool,
     changed: Instant,
     stepped_at: Option<Instant>,
+    /// Since when the learned rate has been in force: a refusal of a request sent
+    /// before says nothing about it (the burst that taught it, typically).
+    since: Option<Instant>,
     /// How many replicas share the upstream's budget: this one sees that fraction of
     /// the traffic, and what the upstream let through is this many times its sample.
     replicas: u32,
-    /// Accepted answers since the last refusal episode ended, and when the first of
-    /// them came.
-    accepted: u32,
-    first_accepted: Option<Instant>,
+    /// When the upstream accepted the last requests, within [`HORIZON`] (at most
+    /// [`SAMPLE`] of them).
+    accepted: VecDeque<Instant>,
     /// The refusal episode in force: until its pause ends, and whether its sample set
     /// the learned rate (then later refusals of the same episode refine it).
     episode: Option<(Instant, bool)>,
 }
 
+/// How far back the accepted answers count for what the upstream lets through.
+pub const HORIZON: Duration = Duration::from_secs(5);
+/// The most accepted answers kept for that (at high rates the horizon is shorter).
+const SAMPLE: usize = 256;
 /// Fewer accepted answers than this say too little about a paced group's upstream.
 const MIN_PACED_SAMPLE: u32 = 4;
 /// While probing upwards (`slow_start`), each half calm interval multiplies the rate
@@ -115,13 +124,14 @@ impl Learner {
         Learner {
             base: None,
             window: Duration::ZERO,
+            budget: None,
             factor: 1.0,
             slow_start: false,
             changed: now,
             stepped_at: None,
+            since: None,
             replicas: 1,
-            accepted: 0,
-            first_accepted: None,
+            accepted: VecDeque::new(),
             episode: None,
         }
     }
@@ -140,8 +150,28 @@ impl Learner {
             .map(|(rate, _)| rate)
     }
 
+    /// The budget the upstream announced last: its quota per window.
+    pub fn announced_budget(&self) -> Option<(u64, Duration)> {
+        self.budget
+    }
+
+    /// How many requests the upstream accepted from the group within the last
+    /// `window` (counting the other replicas' alike); 0 when the window is longer than
+    /// the answers kept reach back.
+    pub fn accepted_within(&self, now: Instant, window: Duration) -> u64 {
+        if window > HORIZON {
+            return 0;
+        }
+        let ours = self
+            .accepted
+            .iter()
+            .filter(|at| now - **at < window)
+            .count() as u64;
+        ours * u64::from(self.replicas)
+    }
+
     /// A response announced a budget. Returns whether the learned rate moved.
-    pub fn announced(&mut self, budget: Announced) -> bool {
+    pub fn announced(&mut self, budget: Announced, now: Instant) -> bool {
         let window = match (budget.window, budget.reset) {
             (Some(w), _) if !w.is_zero() => w,
             (_, Some(reset)) => {
@@ -156,6 +186,7 @@ impl Learner {
             return false;
         }
         let rate = budget.quota as f64 / window.as_secs_f64();
+        self.budget = Some((budget.quota, window));
         // An announced budget outranks one guessed from refusals, and is replaced by a
         // newer announcement (the upstream may change its plan); step-downs stay.
         let moved = self.base != Some((rate, budget.source));
@@ -165,31 +196,31 @@ impl Learner {
             }
             self.base = Some((rate, budget.source));
             self.slow_start = false;
+            self.since.get_or_insert(now);
         }
         moved
     }
 
     /// The upstream answered normally at `now`.
     pub fn accepted(&mut self, now: Instant) {
-        // Answers after an episode's pause belong to the next sample; those before it
-        // (in flight when the refusal came) to this one.
-        if self.episode.is_some_and(|(end, _)| now >= end) {
-            self.episode = None;
-            self.accepted = 0;
-            self.first_accepted = None;
+        if self.accepted.len() >= SAMPLE {
+            self.accepted.pop_front();
         }
-        self.accepted = self.accepted.saturating_add(1);
-        self.first_accepted.get_or_insert(now);
+        self.accepted.push_back(now);
     }
 
-    /// What the upstream let through: the accepted answers of the sample over the time
-    /// since the first of them, or over the pause when that is longer (a burst answered
-    /// at once); with their count.
-    fn seen(&self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
-        let first = self.first_accepted?;
+    /// What the upstream let through: the requests it accepted within [`HORIZON`], over
+    /// the time since the first of them, or over `pause` when that is longer (a burst
+    /// answered at once); with their count.
+    fn seen(&mut self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
+        while self.accepted.front().is_some_and(|at| now - *at > HORIZON) {
+            self.accepted.pop_front();
+        }
+        let first = *self.accepted.front()?;
+        let n = self.accepted.len() as u32;
         let span = (now - first).max(pause).as_secs_f64();
-        let rate = f64::from(self.accepted) * f64::from(self.replicas) / span;
-        (self.accepted > 0 && span > 0.0).then_some((rate, self.accepted))
+        let rate = f64::from(n) * f64::from(self.replicas) / span;
+        (span > 0.0).then_some((rate, n))
     }
 
     /// `replicas` share the upstream's budget (1 unless the store is shared). Probing
@@ -202,9 +233,9 @@ impl Learner {
         }
     }
 
-    /// The upstream refused a request at `now` and asks for `pause`; `said`: it said
-    /// how long (else `pause` is a guess); `pace` is the rate the group was held to
-    /// (per second), if any. Returns whether the learned rate moved.
+    /// The upstream refused a request sent at `sent` at `now` and asks for `pause`;
+    /// `said`: it said how long (else `pause` is a guess); `pace` is the rate the
+    /// group was held to (per second), if any. Returns whether the learned rate moved.
     ///
     /// One overload answers a burst with a refusal each, and the accepted answers of
     /// that burst may come after the first refusal: the refusals until the pause ends
@@ -213,11 +244,14 @@ impl Learner {
     pub fn refused(
         &mut self,
         now: Instant,
+        sent: Instant,
         pause: Duration,
         said: bool,
         pace: Option<f64>,
     ) -> bool {
         let before = self.rate();
+        // Sent before the learned rate held: not paced by it.
+        let pace = pace.filter(|_| self.since.is_none_or(|since| sent >= since));
         if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
             let end = end.max(now + pause);
             if let (true, Some((seen, _))) = (refine, self.seen(now, end - now)) {
@@ -261,6 +295,7 @@ impl Learner {
     }
 
     fn learn(&mut self, seen: f64, now: Instant) {
+        self.since.get_or_insert(now);
         self.base = Some((seen, Source::Refusals));
         self.factor = 1.0;
         self.changed = now;
@@ -319,31 +354,30 @@ impl Learner {
     }
 }
 
-/// Whether a spent budget (`Remaining: 0`, reset in `pause`) should pause a group
-/// whose slowest rate paces it one request per `pace`, under an `announced` budget of
-/// that many requests per second.
+/// Whether a spent budget (`Remaining: 0`) should pause a group whose slowest rate
+/// paces it one request per `pace`, under an `announced` budget of `quota` requests per
+/// `window`, when the group itself sent `ours` of them within the last `window` (its
+/// replicas counted).
 ///
-/// The last request of a window sees `Remaining: 0`. When the group's pace keeps it
-/// inside the announced budget, its next slot falls in the next window anyway, and a
-/// pause until a reset read a little late (a reset in whole seconds is rounded up)
-/// would stall it past the window it is entitled to: a reset due within one interval
-/// plus [`RESET_ROUNDING`] does not pause. Any other spent budget (another client
-/// shares it, a burst spent it early, or nothing says the pace fits) pauses.
+/// The group's own last request of a window sees `Remaining: 0`. When the group's pace
+/// keeps it inside the announced budget, its next request falls in the next window
+/// anyway, and a pause until a reset read a little late (a reset in whole seconds is
+/// rounded up) would only stall it past the window it is entitled to: it does not
+/// pause. A budget spent by others (fewer than `quota` of ours in the window), or one
+/// that nothing says the pace fits, pauses.
 pub fn spent_budget_pauses(
-    pause: Duration,
     pace: Option<Duration>,
-    announced: Option<f64>,
+    announced: Option<(u64, Duration)>,
+    ours: u64,
 ) -> bool {
-    let fits =
-        |pace: Duration, announced: f64| 1.0 / pace.as_secs_f64() <= announced * (1.0 + 1e-9);
     match (pace, announced) {
-        (Some(pace), Some(announced)) => !(pause <= pace + RESET_ROUNDING && fits(pace, announced)),
+        (Some(pace), Some((quota, window))) => {
+            let fits = pace.as_secs_f64() * quota as f64 >= window.as_secs_f64() * (1.0 - 1e-9);
+            !(fits && ours >= quota)
+        }
         _ => true,
     }
 }
-
-/// How late a reset given in whole seconds may be read: up to a second.
-pub const RESET_ROUNDING: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {
@@ -368,24 +402,40 @@ mod tests {
     #[test]
     fn a_spent_budget_pauses_unless_the_pace_already_keeps_to_it() {
         let ms = |n| Some(MS * n);
-        // (pause, the group's pace, the announced rate per second, pauses)
+        let five = Some((5, S));
+        // (the group's pace, the announced budget, ours in its window, pauses)
         let cases = [
-            (MS * 150, ms(200), Some(5.0), false),
-            (MS * 200, ms(200), Some(5.0), false),
-            (MS * 1200, ms(200), Some(5.0), false),
-            (MS * 1250, ms(200), Some(5.0), true),
-            (MS * 150, ms(125), Some(5.0), true),
-            (MS * 150, ms(200), None, true),
-            (MS * 150, None, Some(5.0), true),
-            (Duration::ZERO, None, None, true),
+            (ms(200), five, 5, false),
+            (ms(204), five, 6, false),
+            // Others spent it too: only 3 of the 5 are ours.
+            (ms(200), five, 3, true),
+            // Faster than announced: the pace does not keep to it.
+            (ms(125), five, 8, true),
+            (ms(200), None, 5, true),
+            (None, five, 5, true),
+            (None, None, 0, true),
         ];
-        for (pause, pace, announced, want) in cases {
+        for (pace, announced, ours, want) in cases {
             assert_eq!(
-                spent_budget_pauses(pause, pace, announced),
+                spent_budget_pauses(pace, announced, ours),
                 want,
-                "{pause:?} {pace:?} {announced:?}"
+                "{pace:?} {announced:?} {ours}"
             );
         }
+    }
+
+    #[test]
+    fn answers_within_a_window_count_with_the_replicas() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        for i in 0..10 {
+            l.accepted(t0 + MS * (200 * i));
+        }
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S), 5);
+        l.set_replicas(3);
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S), 15);
+        // A window longer than what is kept: nothing can be said.
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S * 60), 0);
     }
 
     #[test]
@@ -394,18 +444,18 @@ mod tests {
         let mut l = Learner::new(t0);
         // 30 sent at once: one refusal comes back first, then the five accepted, then
         // the other refusals. The sample is read again within the episode.
-        l.refused(t0 + MS, S, true, None);
+        l.refused(t0 + MS, t0 + MS, S, true, None);
         assert_eq!(l.rate(), None);
         for _ in 0..5 {
             l.accepted(t0 + MS * 2);
         }
         for _ in 0..24 {
-            l.refused(t0 + MS * 3, S, true, None);
+            l.refused(t0 + MS * 3, t0 + MS * 3, S, true, None);
         }
         assert_eq!(rate(&l), Some(4.9));
-        // After the pause, accepted answers start a new sample.
-        l.accepted(t0 + S * 2);
-        assert_eq!(l.accepted, 1);
+        // Answers older than the horizon are forgotten.
+        l.accepted(t0 + S * 6);
+        assert_eq!(l.seen(t0 + S * 6, S), Some((1.0, 1)));
     }
 
     #[test]
@@ -436,7 +486,7 @@ mod tests {
         for (seen, want) in cases {
             let mut l = Learner::new(Instant::now());
             for a in *seen {
-                l.announced(*a);
+                l.announced(*a, Instant::now());
             }
             assert_eq!(
                 rate(&l),
@@ -454,15 +504,15 @@ mod tests {
         for _ in 0..5 {
             l.accepted(t0);
         }
-        assert!(l.refused(t0 + MS, S, true, None));
+        assert!(l.refused(t0 + MS, t0 + MS, S, true, None));
         assert_eq!(l.rate().unwrap().1, Source::Refusals);
         assert_eq!(rate(&l), Some(4.9));
         // The other refusals of that burst come with no new acceptance: about the same.
-        l.refused(t0 + MS * 2, S, true, None);
+        l.refused(t0 + MS * 2, t0 + MS * 2, S, true, None);
         assert_eq!(rate(&l), Some(4.9));
         // Nothing accepted yet: nothing learned.
         let mut l = Learner::new(t0);
-        assert!(!l.refused(t0, S, true, None));
+        assert!(!l.refused(t0, t0, S, true, None));
         assert_eq!(l.rate(), None);
     }
 
@@ -472,7 +522,7 @@ mod tests {
         let mut l = Learner::new(t0);
         // One accepted, the rest refused with nothing said, and a guessed 750 ms pause.
         l.accepted(t0);
-        assert!(l.refused(t0, MS * 750, false, None));
+        assert!(l.refused(t0, t0, MS * 750, false, None));
         assert_eq!(rate(&l), Some(1.307));
         // Each calm half second multiplies it by 1.5: the upstream may allow much more.
         assert!(!l.departed(t0 + MS * 400));
@@ -482,12 +532,12 @@ mod tests {
         assert_eq!(rate(&l), Some(6.615));
         // A paced request refused: halfway back between 4.41 and 6.615, and no more
         // probing upwards.
-        assert!(l.refused(t0 + S * 2, MS * 66, false, Some(6.615)));
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 66, false, Some(6.615)));
         assert_eq!(rate(&l), Some(5.513));
         assert!(!l.departed(t0 + S * 3));
         // Refused again: 5 % under that pace, then half the way back each calm second
         // to 2 % under the pace refused.
-        assert!(l.refused(t0 + S * 3, MS * 18, false, Some(5.513)));
+        assert!(l.refused(t0 + S * 3, t0 + S * 3, MS * 18, false, Some(5.513)));
         assert_eq!(rate(&l), Some(5.237));
         let climbed: Vec<_> = (4..=7)
             .map(|s| {
@@ -507,11 +557,26 @@ mod tests {
         for i in 0..100 {
             l.accepted(t0 + MS * (100 * i));
         }
-        assert!(l.refused(t0 + S * 10, Duration::ZERO, false, Some(10.0)));
+        assert!(l.refused(t0 + S * 10, t0 + S * 10, Duration::ZERO, false, Some(10.0)));
         assert_eq!(rate(&l), Some(9.5));
+        for i in 1..=4 {
+            l.accepted(t0 + S * 10 + MS * (100 * i));
+        }
         // Within two intervals of the step: the same episode.
-        assert!(!l.refused(t0 + S * 10 + MS * 100, Duration::ZERO, false, Some(9.5)));
-        assert!(l.refused(t0 + S * 10 + MS * 500, Duration::ZERO, false, Some(9.5)));
+        assert!(!l.refused(
+            t0 + S * 10 + MS * 100,
+            t0 + S * 10 + MS * 100,
+            Duration::ZERO,
+            false,
+            Some(9.5)
+        ));
+        assert!(l.refused(
+            t0 + S * 10 + MS * 500,
+            t0 + S * 10 + MS * 500,
+            Duration::ZERO,
+            false,
+            Some(9.5)
+        ));
         assert_eq!(rate(&l), Some(9.025));
         // Calm seconds climb back to 2 % under the last pace refused.
         for s in 11..=40 {
@@ -526,7 +591,7 @@ mod tests {
         let mut l = Learner::new(t0);
         l.set_replicas(3);
         l.accepted(t0);
-        assert!(l.refused(t0, MS * 750, false, None));
+        assert!(l.refused(t0, t0, MS * 750, false, None));
         // One accepted here, about three in all.
         assert_eq!(rate(&l), Some(3.92));
         assert!(!l.departed(t0 + S * 5));
@@ -540,7 +605,18 @@ mod tests {
         for i in 0..10 {
             l.accepted(t0 + MS * (200 * i));
         }
-        assert!(l.refused(t0 + S * 2, MS * 12, false, Some(8.0)));
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 12, false, Some(8.0)));
+        assert_eq!(rate(&l), Some(4.9));
+    }
+
+    #[test]
+    fn a_refusal_of_a_request_sent_before_the_rate_was_learned_changes_nothing() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // The burst left at t0; the first answer taught 5/s; its refusals follow.
+        l.announced(x(5, 1000), t0 + MS * 5);
+        l.accepted(t0 + MS * 5);
+        assert!(!l.refused(t0 + MS * 6, t0, S, true, Some(4.9)));
         assert_eq!(rate(&l), Some(4.9));
     }
 
@@ -548,11 +624,11 @@ mod tests {
     fn an_announced_budget_is_not_replaced_by_refusals_but_steps_down() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
-        l.announced(x(5, 1000));
+        l.announced(x(5, 1000), t0);
         for _ in 0..3 {
             l.accepted(t0);
         }
-        l.refused(t0, S, true, Some(4.9));
+        l.refused(t0, t0, S, true, Some(4.9));
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::LimitAndReset);
         assert!((r - 4.9 * STEP_DOWN).abs() < 1e-9, "{r}");
