@@ -103,6 +103,8 @@ pub struct Learner {
     /// When the upstream accepted the last requests, within [`HORIZON`] (at most
     /// [`SAMPLE`] of them).
     accepted: VecDeque<Instant>,
+    /// When it refused the last ones, alike.
+    refusals: VecDeque<Instant>,
     /// The refusal episode in force: until its pause ends, and whether its sample set
     /// the learned rate (then later refusals of the same episode refine it).
     episode: Option<(Instant, bool)>,
@@ -112,8 +114,13 @@ pub struct Learner {
 pub const HORIZON: Duration = Duration::from_secs(5);
 /// The most accepted answers kept for that (at high rates the horizon is shorter).
 const SAMPLE: usize = 256;
-/// Fewer accepted answers than this say too little about a paced group's upstream.
-const MIN_PACED_SAMPLE: u32 = 4;
+/// A paced group learns what its upstream let through only when it refused at least
+/// this many requests within [`HORIZON`], and at least [`REFUSED_SHARE`] of those it
+/// answered there: else the refusals are too few for the answers to show the upstream's
+/// limit rather than the group's own demand, and the rate only steps down.
+const MIN_PACED_REFUSALS: usize = 2;
+/// See [`MIN_PACED_REFUSALS`].
+const REFUSED_SHARE: f64 = 0.2;
 /// While probing upwards (`slow_start`), each half calm interval multiplies the rate
 /// by this.
 pub const SLOW_START: f64 = 1.5;
@@ -132,6 +139,7 @@ impl Learner {
             since: None,
             replicas: 1,
             accepted: VecDeque::new(),
+            refusals: VecDeque::new(),
             episode: None,
         }
     }
@@ -203,18 +211,17 @@ impl Learner {
 
     /// The upstream answered normally at `now`.
     pub fn accepted(&mut self, now: Instant) {
-        if self.accepted.len() >= SAMPLE {
-            self.accepted.pop_front();
-        }
-        self.accepted.push_back(now);
+        keep(&mut self.accepted, now);
     }
 
     /// What the upstream let through: the requests it accepted within [`HORIZON`], over
     /// the time since the first of them, or over `pause` when that is longer (a burst
     /// answered at once); with their count.
     fn seen(&mut self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
-        while self.accepted.front().is_some_and(|at| now - *at > HORIZON) {
-            self.accepted.pop_front();
+        for times in [&mut self.accepted, &mut self.refusals] {
+            while times.front().is_some_and(|at| now - *at > HORIZON) {
+                times.pop_front();
+            }
         }
         let first = *self.accepted.front()?;
         let n = self.accepted.len() as u32;
@@ -262,6 +269,8 @@ impl Learner {
         }
         let announced = self.announced_rate().is_some();
         let seen = self.seen(now, pause);
+        keep(&mut self.refusals, now);
+        let (refused, accepted) = (self.refusals.len(), self.accepted.len());
         let refine = match pace {
             // Unpaced: whatever it let through is the first estimate.
             None => {
@@ -278,7 +287,9 @@ impl Learner {
             Some(pace)
                 if !announced
                     && !self.slow_start
-                    && seen.is_some_and(|(s, n)| n >= MIN_PACED_SAMPLE && s < pace * STEP_DOWN) =>
+                    && refused >= MIN_PACED_REFUSALS
+                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
+                    && seen.is_some_and(|(s, _)| s < pace * STEP_DOWN) =>
             {
                 self.learn(seen.map_or(pace, |(s, _)| s), now);
                 self.slow_start = false;
@@ -352,6 +363,14 @@ impl Learner {
         self.changed = now;
         true
     }
+}
+
+/// Records `now` in a sample of at most [`SAMPLE`] times.
+fn keep(times: &mut VecDeque<Instant>, now: Instant) {
+    if times.len() >= SAMPLE {
+        times.pop_front();
+    }
+    times.push_back(now);
 }
 
 /// Whether a spent budget (`Remaining: 0`) should pause a group whose slowest rate
@@ -535,6 +554,10 @@ mod tests {
         assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 66, false, Some(6.615)));
         assert_eq!(rate(&l), Some(5.513));
         assert!(!l.departed(t0 + S * 3));
+        // Accepted at about that pace meanwhile: few refusals among many answers.
+        for i in 0..20 {
+            l.accepted(t0 + S * 2 + MS * (50 * i));
+        }
         // Refused again: 5 % under that pace, then half the way back each calm second
         // to 2 % under the pace refused.
         assert!(l.refused(t0 + S * 3, t0 + S * 3, MS * 18, false, Some(5.513)));
@@ -601,12 +624,22 @@ mod tests {
     fn a_paced_refusal_learns_what_the_upstream_let_through_when_far_below_the_pace() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
-        // Told 8/s; the upstream let 5/s through for 2 s.
-        for i in 0..10 {
-            l.accepted(t0 + MS * (200 * i));
+        // Told 8/s; a strict 5/s upstream accepts every other request for 2 s. The first
+        // refusal only steps down; once refusals are a good share of the answers, what
+        // it let through is the rate.
+        for k in 0..16u32 {
+            let at = t0 + MS * (125 * k);
+            match k % 2 {
+                0 => l.accepted(at),
+                _ => {
+                    let pace = l.rate().map_or(8.0, |(r, _)| r);
+                    l.refused(at, at, MS * 12, false, Some(pace));
+                }
+            }
         }
-        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 12, false, Some(8.0)));
-        assert_eq!(rate(&l), Some(4.9));
+        let (r, source) = l.rate().unwrap();
+        assert_eq!(source, Source::Refusals);
+        assert!((3.9..=5.3).contains(&r), "{r}");
     }
 
     #[test]
