@@ -105,6 +105,8 @@ pub struct Learner {
     accepted: VecDeque<Instant>,
     /// When it refused the last ones, alike.
     refusals: VecDeque<Instant>,
+    /// Accepted answers since the last refusal episode ended, and the first of them.
+    since_episode: (u32, Option<Instant>),
     /// The refusal episode in force: until its pause ends, and whether its sample set
     /// the learned rate (then later refusals of the same episode refine it).
     episode: Option<(Instant, bool)>,
@@ -140,6 +142,7 @@ impl Learner {
             replicas: 1,
             accepted: VecDeque::new(),
             refusals: VecDeque::new(),
+            since_episode: (0, None),
             episode: None,
         }
     }
@@ -212,6 +215,23 @@ impl Learner {
     /// The upstream answered normally at `now`.
     pub fn accepted(&mut self, now: Instant) {
         keep(&mut self.accepted, now);
+        // Answers after an episode's pause belong to the next window's sample; those
+        // before it (in flight when the refusal came) to this one.
+        if self.episode.is_some_and(|(end, _)| now >= end) {
+            self.since_episode = (0, None);
+        }
+        let (n, first) = &mut self.since_episode;
+        *n += 1;
+        first.get_or_insert(now);
+    }
+
+    /// What a limiter that said when to come back let through since its last refusal:
+    /// the answers accepted since then, over the time since the first of them or the
+    /// pause it asks for, whichever is longer (it refills within that pause).
+    fn window_seen(&self, now: Instant, pause: Duration) -> Option<f64> {
+        let (n, first) = self.since_episode;
+        let span = (now - first?).max(pause).as_secs_f64();
+        (n >= 2 && span > 0.0).then(|| f64::from(n) * f64::from(self.replicas) / span)
     }
 
     /// What the upstream let through: the requests it accepted within [`HORIZON`], over
@@ -283,16 +303,22 @@ impl Learner {
                 !announced
             }
             // Paced, and it let through clearly less than the pace: that is its rate
-            // (unless probing upwards, when the sample is of slower paces).
-            Some(pace)
-                if !announced
-                    && !self.slow_start
-                    && refused >= MIN_PACED_REFUSALS
-                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
-                    && seen.is_some_and(|(s, _)| s < pace * STEP_DOWN) =>
-            {
-                self.learn(seen.map_or(pace, |(s, _)| s), now);
-                self.slow_start = false;
+            // (unless probing upwards, when the sample is of slower paces). A limiter
+            // that said when to come back shows it in the answers since its last
+            // refusal; a bare one in the last seconds' answers, once its refusals
+            // are a fair share of them. Replicas only see their own share: they
+            // step down instead.
+            Some(pace) if !announced && !self.slow_start && self.replicas == 1 => {
+                let bare_share = refused >= MIN_PACED_REFUSALS
+                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64);
+                let let_through = match said {
+                    true => self.window_seen(now, pause),
+                    false => seen.filter(|_| bare_share).map(|(s, _)| s),
+                };
+                match let_through.filter(|s| *s < pace * STEP_DOWN) {
+                    Some(seen) => self.learn(seen, now),
+                    None => self.step_down(now, pace),
+                }
                 false
             }
             // Paced at about what it lets through: "slightly too fast".
@@ -640,6 +666,23 @@ mod tests {
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::Refusals);
         assert!((3.9..=5.3).contains(&r), "{r}");
+    }
+
+    #[test]
+    fn a_window_that_said_when_to_come_back_is_read_since_its_last_refusal() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // Told 8/s; a 5-per-second window accepts five, then refuses with
+        // Retry-After: 1.
+        for k in 0..5 {
+            l.accepted(t0 + MS * (125 * k));
+        }
+        let at = t0 + MS * 625;
+        assert!(l.refused(at, at, S, true, Some(8.0)));
+        assert_eq!(rate(&l), Some(4.9));
+        // The next window's answers start a new sample.
+        l.accepted(t0 + MS * 1700);
+        assert_eq!(l.since_episode.0, 1);
     }
 
     #[test]
