@@ -297,6 +297,8 @@ impl Learner {
                 if let (false, Some((seen, _))) = (announced, seen) {
                     self.learn(seen, now);
                 }
+                // Refusals of an unpaced burst say nothing of a pace to come.
+                self.refusals.clear();
                 // Learned now or later in the episode, a rate guessed from refusals
                 // that said nothing is only a floor.
                 self.slow_start = !announced && !said && self.replicas == 1;
@@ -356,11 +358,14 @@ impl Learner {
                 self.factor = target.min(self.factor * STEP_DOWN).max(0.01);
             }
             // Probing upwards, it went too far in the last step: back to halfway
-            // between that step's start and the pace refused.
+            // between that step's start and the pace refused. The answers so far were
+            // at slower paces, and the refusals of the first burst: a fresh sample.
             _ if self.slow_start => {
                 let halfway = (pace / SLOW_START + pace) / 2.0;
                 self.base = Some((halfway / MARGIN, Source::Refusals));
                 self.factor = 1.0;
+                self.accepted.clear();
+                self.refusals.clear();
             }
             // Below the pace refused; the margin under it is the ceiling to climb
             // back to.
