@@ -167,18 +167,17 @@ impl Learner {
     }
 
     /// How many requests the upstream accepted from the group within the last
-    /// `window` (counting the other replicas' alike); 0 when the window is longer than
-    /// the answers kept reach back.
+    /// `window`; 0 when the window is longer than the answers kept reach back. One of
+    /// several replicas sees its share of each window, unevenly: it counts its answers
+    /// over all it keeps ([`HORIZON`]) and scales them to one window of all replicas.
     pub fn accepted_within(&self, now: Instant, window: Duration) -> u64 {
         if window > HORIZON {
             return 0;
         }
-        let ours = self
-            .accepted
-            .iter()
-            .filter(|at| now - **at < window)
-            .count() as u64;
-        ours * u64::from(self.replicas)
+        let over = if self.replicas > 1 { HORIZON } else { window };
+        let ours = self.accepted.iter().filter(|at| now - **at < over).count() as f64;
+        let scale = f64::from(self.replicas) * window.as_secs_f64() / over.as_secs_f64();
+        (ours * scale).round() as u64
     }
 
     /// A response announced a budget. Returns whether the learned rate moved.
@@ -294,7 +293,13 @@ impl Learner {
         let refine = match pace {
             // Unpaced: whatever it let through is the first estimate.
             None => {
-                if let (false, Some((seen, _))) = (announced, seen) {
+                // Nothing accepted yet and nothing said: one request per guessed pause
+                // (per replica) is the floor, and the group is paced from now on.
+                let floor = || {
+                    let per_pause = f64::from(self.replicas) / pause.as_secs_f64().max(1e-3);
+                    (!said).then_some(per_pause)
+                };
+                if let (false, Some(seen)) = (announced, seen.map(|(s, _)| s).or_else(floor)) {
                     self.learn(seen, now);
                 }
                 // Refusals of an unpaced burst say nothing of a pace to come.
@@ -308,11 +313,12 @@ impl Learner {
             // (unless probing upwards, when the sample is of slower paces). A limiter
             // that said when to come back shows it in the answers since its last
             // refusal; a bare one in the last seconds' answers, once its refusals
-            // are a fair share of them. Replicas only see their own share: they
-            // step down instead.
-            Some(pace) if !announced && !self.slow_start && self.replicas == 1 => {
+            // are a fair share of them (not read by one of several replicas, whose
+            // refusals mix with the others' pace: it steps down instead).
+            Some(pace) if !announced && !self.slow_start => {
                 let bare_share = refused >= MIN_PACED_REFUSALS
-                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64);
+                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
+                    && self.replicas == 1;
                 let let_through = match said {
                     true => self.window_seen(now, pause),
                     false => seen.filter(|_| bare_share).map(|(s, _)| s),
@@ -396,6 +402,10 @@ impl Learner {
     }
 }
 
+/// A spent budget is the group's own when it sent at least this share of the quota in
+/// the window: the rest may be late answers, or rounding of one replica's share.
+pub const OURS_SHARE: f64 = 0.8;
+
 /// Records `now` in a sample of at most [`SAMPLE`] times.
 fn keep(times: &mut VecDeque<Instant>, now: Instant) {
     if times.len() >= SAMPLE {
@@ -407,7 +417,7 @@ fn keep(times: &mut VecDeque<Instant>, now: Instant) {
 /// Whether a spent budget (`Remaining: 0`) should pause a group whose slowest rate
 /// paces it one request per `pace`, under an `announced` budget of `quota` requests per
 /// `window`, when the group itself sent `ours` of them within the last `window` (its
-/// replicas counted).
+/// replicas counted; at least [`OURS_SHARE`] of the quota makes it the group's own).
 ///
 /// The group's own last request of a window sees `Remaining: 0`. When the group's pace
 /// keeps it inside the announced budget, its next request falls in the next window
@@ -423,7 +433,7 @@ pub fn spent_budget_pauses(
     match (pace, announced) {
         (Some(pace), Some((quota, window))) => {
             let fits = pace.as_secs_f64() * quota as f64 >= window.as_secs_f64() * (1.0 - 1e-9);
-            !(fits && ours >= quota)
+            !(fits && ours as f64 >= OURS_SHARE * quota as f64)
         }
         _ => true,
     }
@@ -457,6 +467,7 @@ mod tests {
         let cases = [
             (ms(200), five, 5, false),
             (ms(204), five, 6, false),
+            (ms(204), five, 4, false),
             // Others spent it too: only 3 of the 5 are ours.
             (ms(200), five, 3, true),
             // Faster than announced: the pace does not keep to it.
@@ -482,8 +493,9 @@ mod tests {
             l.accepted(t0 + MS * (200 * i));
         }
         assert_eq!(l.accepted_within(t0 + MS * 1800, S), 5);
+        // One of three replicas: its 10 answers of the last 5 s are 6 a window in all.
         l.set_replicas(3);
-        assert_eq!(l.accepted_within(t0 + MS * 1800, S), 15);
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S), 6);
         // A window longer than what is kept: nothing can be said.
         assert_eq!(l.accepted_within(t0 + MS * 1800, S * 60), 0);
     }
@@ -560,10 +572,13 @@ mod tests {
         // The other refusals of that burst come with no new acceptance: about the same.
         l.refused(t0 + MS * 2, t0 + MS * 2, S, true, None);
         assert_eq!(rate(&l), Some(4.9));
-        // Nothing accepted yet: nothing learned.
+        // Nothing accepted yet: nothing learned from a refusal that said when to come
+        // back; a bare one paces at one request per guessed pause.
         let mut l = Learner::new(t0);
         assert!(!l.refused(t0, t0, S, true, None));
         assert_eq!(l.rate(), None);
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 500, false, None));
+        assert_eq!(rate(&l), Some(1.96));
     }
 
     #[test]
