@@ -5,6 +5,7 @@
 //! unlisted host is evicted its series are removed too ([`Metrics::forget`]), so a million
 //! distinct hosts cannot grow the registry without bound.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -27,6 +28,19 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+/// The labels of `tollgate_learned_rate`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LearnedLabels {
+    group: String,
+    source: &'static str,
+}
+
+/// Where a learned rate comes from, as the `source` label (see `limit::learn::Source`).
+pub const SOURCES: [&str; 3] = ["ratelimit-policy", "limit-and-reset", "refusals"];
+
+/// A gauge of a rate, in requests per second.
+pub type RateGauge = Gauge<f64, AtomicU64>;
+
 /// What can happen to a request at the throttle, as the `outcome` label.
 const OUTCOMES: [&str; 4] = ["admitted", "queue_full", "max_wait", "cancelled"];
 
@@ -43,6 +57,7 @@ pub struct Metrics {
     pause_seconds: HistogramFamily,
     retries: Family<GroupLabel, Counter>,
     passed_through: Family<GroupLabel, Counter>,
+    learned: Family<LearnedLabels, RateGauge>,
 }
 
 /// One group's metric handles (clones share the underlying atomics).
@@ -70,6 +85,9 @@ pub struct GroupMetrics {
     pub retries: Counter,
     /// Push-back responses handed to the client (not replayable, or out of retries).
     pub passed_through: Counter,
+    /// The rate learned from the upstream, one gauge per source in [`SOURCES`] order;
+    /// the one in force is set, the others are 0.
+    pub learned_rate: [RateGauge; 3],
 }
 
 impl Default for Metrics {
@@ -134,8 +152,15 @@ impl Metrics {
             "Push-back responses (429/503) handed to the client unchanged",
             passed_through.clone(),
         );
+        let learned = Family::<LearnedLabels, RateGauge>::default();
+        registry.register(
+            "tollgate_learned_rate",
+            "Requests per second the group keeps to, learned from the upstream (by source)",
+            learned.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
+            learned,
             queue_depth,
             in_flight,
             requests,
@@ -172,6 +197,14 @@ impl Metrics {
             pause_seconds: self.pause_seconds.get_or_create(&label).clone(),
             retries: self.retries.get_or_create(&label).clone(),
             passed_through: self.passed_through.get_or_create(&label).clone(),
+            learned_rate: SOURCES.map(|source| {
+                self.learned
+                    .get_or_create(&LearnedLabels {
+                        group: name.to_string(),
+                        source,
+                    })
+                    .clone()
+            }),
         }
     }
 
@@ -187,6 +220,12 @@ impl Metrics {
         self.pause_seconds.remove(&label);
         self.retries.remove(&label);
         self.passed_through.remove(&label);
+        for source in SOURCES {
+            self.learned.remove(&LearnedLabels {
+                group: name.to_string(),
+                source,
+            });
+        }
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {
                 group: name.to_string(),

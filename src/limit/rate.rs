@@ -25,9 +25,14 @@ pub const SLOT_CREDIT: Duration = Duration::from_millis(10);
 pub struct Rates {
     /// The configured rates (empty: no rate limit).
     configured: Vec<Gcra>,
-    /// The rates in force: the configured ones, slower while an adaptive group backs off.
+    /// The rates in force: the configured ones, slower while an adaptive group backs off,
+    /// then the learned one if any.
     in_force: Vec<Gcra>,
-    /// One TAT per rate, as an offset from `epoch`.
+    /// The rate learned from the upstream ([`super::learn`]), burst 1.
+    learned: Option<Gcra>,
+    factor: f64,
+    /// One TAT per configured rate and one for the learned rate, as an offset from
+    /// `epoch`.
     tats: Vec<Duration>,
     epoch: Instant,
 }
@@ -41,16 +46,40 @@ impl Rates {
             .map(|r| Gcra::new(r.limit, r.period, settings.burst))
             .collect();
         Rates {
-            tats: vec![Duration::ZERO; configured.len()],
+            tats: vec![Duration::ZERO; configured.len() + 1],
             in_force: configured.clone(),
             configured,
+            learned: None,
+            factor: 1.0,
             epoch,
         }
     }
 
     /// The rates in force become the configured ones times `factor` (0 < factor ≤ 1).
     pub fn set_factor(&mut self, factor: f64) {
+        self.factor = factor;
+        self.update();
+    }
+
+    /// The group also keeps to `per_second`, learned from the upstream (`None`: nothing
+    /// learned). It only matters where it is slower than the configured rates.
+    pub fn set_learned(&mut self, per_second: Option<f64>) {
+        self.learned = per_second
+            .filter(|r| r.is_finite() && *r > 0.0)
+            .map(|r| Gcra::new(1, Duration::from_secs_f64(1.0 / r.max(1e-6)), 1));
+        self.update();
+    }
+
+    fn update(&mut self) {
+        let factor = self.factor;
         self.in_force = self.configured.iter().map(|r| r.scaled(factor)).collect();
+        self.in_force.extend(self.learned);
+    }
+
+    /// The emission interval of the slowest rate in force: the group's pace, if it has
+    /// one.
+    pub fn pace(&self) -> Option<Duration> {
+        self.in_force.iter().map(|r| r.interval).max()
     }
 
     /// The rates in force, in GCRA form (what the Redis store books against).
@@ -58,9 +87,9 @@ impl Rates {
         &self.in_force
     }
 
-    /// The rates in force, in requests per second.
+    /// The configured rates in force, in requests per second.
     pub fn per_second(&self) -> Vec<f64> {
-        self.in_force
+        self.in_force[..self.configured.len()]
             .iter()
             .map(|r| 1.0 / r.interval.as_secs_f64())
             .collect()
