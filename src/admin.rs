@@ -128,6 +128,7 @@ fn group_status(group: &Group, history: &History) -> serde_json::Value {
         "queue_limit": settings.queue,
         "adaptive": settings.adaptive,
         "departures_per_second": history.per_second(&group.name),
+        "upstream_statuses": metrics.upstream.statuses(),
         "counters": {
             "admitted": metrics.admitted.get(),
             "queue_full": metrics.queue_full.get(),

@@ -39,6 +39,7 @@
 #![warn(missing_docs)]
 
 pub mod access;
+pub mod access_log;
 pub mod admin;
 pub mod body;
 pub mod classify;

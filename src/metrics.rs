@@ -5,7 +5,8 @@
 //! unlisted host is evicted its series are removed too ([`Metrics::forget`]), so a million
 //! distinct hosts cannot grow the registry without bound.
 
-use std::sync::Mutex;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -27,6 +28,21 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+/// The labels of `tollgate_upstream_responses_total`: the status code only, so a
+/// group has at most a few dozen series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    group: String,
+    status: u16,
+}
+
+/// The labels of `tollgate_upstream_errors_total`: `kind` is the `Proxy-Status` error.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    group: String,
+    kind: &'static str,
+}
+
 /// What can happen to a request at the throttle, as the `outcome` label.
 const OUTCOMES: [&str; 4] = ["admitted", "queue_full", "max_wait", "cancelled"];
 
@@ -43,6 +59,9 @@ pub struct Metrics {
     pause_seconds: HistogramFamily,
     retries: Family<GroupLabel, Counter>,
     passed_through: Family<GroupLabel, Counter>,
+    upstream_responses: Family<StatusLabels, Counter>,
+    upstream_duration: HistogramFamily,
+    upstream_errors: Family<KindLabels, Counter>,
 }
 
 /// One group's metric handles (clones share the underlying atomics).
@@ -70,6 +89,83 @@ pub struct GroupMetrics {
     pub retries: Counter,
     /// Push-back responses handed to the client (not replayable, or out of retries).
     pub passed_through: Counter,
+    /// Upstream answers by status, latency and failures.
+    pub upstream: Arc<UpstreamMetrics>,
+}
+
+/// One group's upstream answers: counted by status code, timed, and its failures to
+/// get one counted by kind.
+#[derive(Debug)]
+pub struct UpstreamMetrics {
+    group: String,
+    responses: Family<StatusLabels, Counter>,
+    duration: Histogram,
+    errors: Family<KindLabels, Counter>,
+    /// The codes and kinds seen, to read them back and to remove their series.
+    seen: Mutex<Seen>,
+}
+
+#[derive(Debug, Default)]
+struct Seen {
+    statuses: BTreeMap<u16, Counter>,
+    kinds: Vec<&'static str>,
+}
+
+impl UpstreamMetrics {
+    /// Counts an answer with `status` that took `elapsed` to its head.
+    pub fn response(&self, status: u16, elapsed: std::time::Duration) {
+        self.duration.observe(elapsed.as_secs_f64());
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.statuses
+            .entry(status)
+            .or_insert_with(|| {
+                self.responses
+                    .get_or_create(&StatusLabels {
+                        group: self.group.clone(),
+                        status,
+                    })
+                    .clone()
+            })
+            .inc();
+    }
+
+    /// Counts a failure to get an answer, of `kind` (a `Proxy-Status` error type).
+    pub fn error(&self, kind: &'static str) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if !seen.kinds.contains(&kind) {
+            seen.kinds.push(kind);
+        }
+        drop(seen);
+        self.errors
+            .get_or_create(&KindLabels {
+                group: self.group.clone(),
+                kind,
+            })
+            .inc();
+    }
+
+    /// Answers so far by status code.
+    pub fn statuses(&self) -> BTreeMap<u16, u64> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.statuses.iter().map(|(s, c)| (*s, c.get())).collect()
+    }
+
+    /// Removes this group's series (an evicted group's; see [`Metrics::forget`]).
+    pub fn forget(&self) {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        for &status in seen.statuses.keys() {
+            self.responses.remove(&StatusLabels {
+                group: self.group.clone(),
+                status,
+            });
+        }
+        for &kind in &seen.kinds {
+            self.errors.remove(&KindLabels {
+                group: self.group.clone(),
+                kind,
+            });
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -134,7 +230,30 @@ impl Metrics {
             "Push-back responses (429/503) handed to the client unchanged",
             passed_through.clone(),
         );
+        let upstream_responses = Family::<StatusLabels, Counter>::default();
+        // 1 ms to ~65 s: up to the default response_timeout.
+        let upstream_duration: HistogramFamily =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17)));
+        let upstream_errors = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "tollgate_upstream_responses",
+            "Upstream answers by group and status code (every attempt, replays included)",
+            upstream_responses.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_duration_seconds",
+            "Time from sending a request upstream to its response head",
+            upstream_duration.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_errors",
+            "Requests that got no upstream answer, by group and Proxy-Status error type",
+            upstream_errors.clone(),
+        );
         Metrics {
+            upstream_responses,
+            upstream_duration,
+            upstream_errors,
             registry: Mutex::new(registry),
             queue_depth,
             in_flight,
@@ -172,10 +291,18 @@ impl Metrics {
             pause_seconds: self.pause_seconds.get_or_create(&label).clone(),
             retries: self.retries.get_or_create(&label).clone(),
             passed_through: self.passed_through.get_or_create(&label).clone(),
+            upstream: Arc::new(UpstreamMetrics {
+                group: name.to_string(),
+                responses: self.upstream_responses.clone(),
+                duration: self.upstream_duration.get_or_create(&label).clone(),
+                errors: self.upstream_errors.clone(),
+                seen: Mutex::default(),
+            }),
         }
     }
 
-    /// Removes the series of an evicted group.
+    /// Removes the series of an evicted group (its upstream series go with
+    /// [`UpstreamMetrics::forget`]).
     pub fn forget(&self, name: &str) {
         let label = GroupLabel {
             group: name.to_string(),
@@ -183,6 +310,7 @@ impl Metrics {
         self.queue_depth.remove(&label);
         self.in_flight.remove(&label);
         self.queue_wait.remove(&label);
+        self.upstream_duration.remove(&label);
         self.pauses.remove(&label);
         self.pause_seconds.remove(&label);
         self.retries.remove(&label);

@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::access::Access;
+use crate::access_log::{self, Answered, Logged, Record, Timing};
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
@@ -65,6 +66,10 @@ pub struct Proxy {
     body_idle: std::time::Duration,
     /// `replay_memory`: what the bodies read ahead for replay may take together.
     replay_memory: Arc<crate::replay::ReplayMemory>,
+    /// `[log] access`: one line per request.
+    access_log: bool,
+    /// `[proxy] server_timing`: tell the client how long it queued.
+    server_timing: bool,
 }
 
 impl Proxy {
@@ -118,6 +123,8 @@ impl Proxy {
             shutdown: Shutdown::default(),
             body_idle: config.proxy.body_idle_timeout.0,
             replay_memory,
+            access_log: config.log.access,
+            server_timing: config.proxy.server_timing,
         })
     }
 
@@ -138,6 +145,11 @@ impl Proxy {
         sending: Option<&Arc<Sending>>,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
+        // What the access log tells besides the answer; taken before classifying, which
+        // may refuse the request or rewrite its URI.
+        let asked = self
+            .access_log
+            .then(|| (req.method().clone(), access_log::url(req.uri())));
         // A CONNECT's body is its tunnel, which may idle as long as it likes.
         let req = match req.method() == http::Method::CONNECT {
             true => req.map(body::boxed),
@@ -149,29 +161,71 @@ impl Proxy {
             None => self.access.check(client, req.headers()),
             Some(_) => Ok(crate::access::Check::Passed(None)),
         };
-        let classified = self.classify(req, local, inside).map(|mut to| {
+        let mut classified = self.classify(req, local, inside).map(|mut to| {
             to.sending = sending.cloned();
             Box::new(to)
         });
+        // Where it goes once classified: a route's upstream, a tunnelled request's host.
+        let asked = match (asked, &mut classified) {
+            (Some((method, _)), Ok(to)) => Some((method, to.url.take().unwrap_or_default())),
+            (asked, _) => asked,
+        };
         async move {
+            let mut timing = Timing::default();
+            let mut user = None;
+            let group = classified.as_ref().ok().map(|to| to.group.clone());
             let answered = match (checked, classified) {
                 (Err(e), classified) => Err(answered_early(e, classified)),
                 (Ok(check), classified) => match (check.user().await, classified) {
                     (Err(e), classified) => Err(answered_early(e, classified)),
                     (Ok(_), Err(e)) => Err(e),
-                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => match &self.intercept {
-                        Some(i) if i.covers(&to.target.host, to.target.port) => {
-                            self.open_intercepted(to)
+                    (Ok(who), Ok(to)) if to.target.kind == Kind::Tunnel => {
+                        user = who;
+                        match &self.intercept {
+                            Some(i) if i.covers(&to.target.host, to.target.port) => {
+                                self.open_intercepted(to)
+                            }
+                            _ => self.tunnel(to, arrived, &mut timing).await,
                         }
-                        _ => self.tunnel(to, arrived).await,
-                    },
-                    (Ok(_), Ok(to)) => self.forward(to, arrived).await,
+                    }
+                    (Ok(who), Ok(to)) => {
+                        user = who;
+                        self.forward(to, arrived, &mut timing).await
+                    }
                 },
             };
-            answered.unwrap_or_else(|e| {
-                tracing::debug!(error = %e, "request failed");
-                e.into_response()
-            })
+            let (mut response, answered) = match answered {
+                Ok(response) => (response, Answered::Upstream),
+                Err(e) => {
+                    tracing::debug!(error = %e, "request failed");
+                    let by = Answered::Tollgate(e.proxy_status_error());
+                    (e.into_response(), by)
+                }
+            };
+            if self.server_timing && group.is_some() {
+                let value = access_log::server_timing(timing.wait);
+                if let Ok(value) = http::HeaderValue::from_str(&value) {
+                    response.headers_mut().append("server-timing", value);
+                }
+            }
+            match asked {
+                None => response,
+                Some((method, url)) => {
+                    let record = Record {
+                        client,
+                        user,
+                        method,
+                        url,
+                        group: group.map(|g| g.name.to_string()),
+                        status: response.status().as_u16(),
+                        answered,
+                        timing,
+                        bytes: 0,
+                        complete: false,
+                    };
+                    response.map(|body| Logged::wrap(body, record))
+                }
+            }
         }
     }
 
@@ -194,7 +248,9 @@ impl Proxy {
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
         let upgrade = crate::upstream::upgrade::requested(req.version(), req.headers());
+        let url = self.access_log.then(|| access_log::url(req.uri()));
         Ok(Classified {
+            url,
             left: LeftEarly(Some(group.clone())),
             method: req.method().clone(),
             sending: None,
@@ -211,13 +267,24 @@ impl Proxy {
         &self,
         mut to: Box<Classified>,
         arrived: Instant,
+        timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         to.left.disarm();
-        let permit = self.admit(&to.group, to.cost, arrived, false).await?;
+        let permit = self.admit(&to.group, to.cost, arrived, false).await;
+        timing.wait = arrived.elapsed();
+        let permit = permit?;
         let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
         let req = to.request.attempt(0);
         let open = Box::pin(tunnel::open(dialer, tunnels, cut, &to.target, req, permit));
-        open.await
+        let opened = Instant::now();
+        let answer = open.await;
+        timing.upstream = opened.elapsed();
+        let upstream = &to.group.metrics.upstream;
+        match &answer {
+            Ok(response) => upstream.response(response.status().as_u16(), timing.upstream),
+            Err(e) => upstream.error(e.proxy_status_error()),
+        }
+        answer
     }
 
     /// Step 2 for a CONNECT to an intercepted host: answered at once, for the server to
@@ -246,6 +313,7 @@ impl Proxy {
         &self,
         mut to: Box<Classified>,
         arrived: Instant,
+        timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         let Classified {
             left,
@@ -261,9 +329,11 @@ impl Proxy {
         // its permit is held while the switched connection is open.
         if let Some(protocol) = upgrade.take() {
             left.disarm();
-            let permit = self.admit(group, *cost, arrived, false).await?;
+            let permit = self.admit(group, *cost, arrived, false).await;
+            timing.wait = arrived.elapsed();
             let switching = self.upstream.switching(&self.tunnels, &self.cut);
-            let response = Box::pin(switching.send(request.attempt(0), protocol, permit)).await?;
+            let send = Box::pin(switching.send(request.attempt(0), protocol, permit?));
+            let response = answer(group, send, timing).await?;
             // A refusal still pauses the group; it is not replayed.
             return Ok(
                 match pushback::after_answer(group, arrived, false, 0, response) {
@@ -282,17 +352,22 @@ impl Proxy {
         left.disarm();
         let mut attempt = 0;
         loop {
-            let permit = self.admit(group, *cost, arrived, attempt > 0).await?;
+            let queued = Instant::now();
+            let permit = self.admit(group, *cost, arrived, attempt > 0).await;
+            timing.wait += queued.elapsed();
             // Until its response has been written, the client's end of stream waits:
             // a request that went upstream is answered (see `half_close`).
-            let held = (permit, sending.as_ref().map(Sending::start));
+            let held = (permit?, sending.as_ref().map(Sending::start));
             let send = Box::pin(self.upstream.send(request.attempt(attempt), held));
-            let response = send.await?;
+            let response = answer(group, send, timing).await?;
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
             match pushback::after_answer(group, arrived, replay, attempt, response) {
                 ControlFlow::Break(response) => return Ok(response),
-                ControlFlow::Continue(()) => attempt += 1,
+                ControlFlow::Continue(()) => {
+                    attempt += 1;
+                    timing.retries = attempt;
+                }
             }
         }
     }
@@ -365,6 +440,8 @@ impl Proxy {
 
 /// A request, classified.
 struct Classified {
+    /// Where it goes, for the access log (when it is on).
+    url: Option<String>,
     left: LeftEarly,
     method: http::Method,
     /// Its connection's requests out upstream, if it came on a plain HTTP/1 connection.
@@ -396,6 +473,24 @@ impl Drop for LeftEarly {
             group.metrics.cancelled.inc();
         }
     }
+}
+
+/// The upstream's answer to `send`, timed and counted in `group`'s upstream metrics.
+async fn answer(
+    group: &Group,
+    send: impl Future<Output = Result<Response<Body>, ProxyError>>,
+    timing: &mut Timing,
+) -> Result<Response<Body>, ProxyError> {
+    let sent = Instant::now();
+    let answer = send.await;
+    let took = sent.elapsed();
+    timing.upstream += took;
+    let upstream = &group.metrics.upstream;
+    match &answer {
+        Ok(response) => upstream.response(response.status().as_u16(), took),
+        Err(e) => upstream.error(e.proxy_status_error()),
+    }
+    answer
 }
 
 /// `e`, for a classified request answered before it reached its group.

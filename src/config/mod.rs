@@ -27,7 +27,7 @@ pub use external::{Place, Places};
 
 pub use tables::{
     AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, InterceptConfig,
-    LimitGroup, OnBackendError, ProxyConfig, RouteConfig,
+    LimitGroup, LogConfig, OnBackendError, ProxyConfig, RouteConfig,
 };
 
 pub use values::{
@@ -54,6 +54,8 @@ pub struct Config {
     pub access: AccessConfig,
     /// Which CONNECT tunnels are decrypted; none when absent.
     pub intercept: Option<InterceptConfig>,
+    /// The access log.
+    pub log: LogConfig,
     /// Where the settings naming files and servers were written, for their errors.
     pub places: Places,
 }
@@ -143,6 +145,8 @@ struct RawConfig {
     access: AccessConfig,
     #[serde(default)]
     intercept: Option<Spanned<RawIntercept>>,
+    #[serde(default)]
+    log: LogConfig,
 }
 
 /// `[intercept]` as written: the CA files are read and checked by [`RawConfig::check`].
@@ -395,6 +399,7 @@ impl RawConfig {
         };
         Ok(Config {
             intercept,
+            log: self.log,
             proxy: self.proxy,
             routes: self.route.into_iter().map(Spanned::into_inner).collect(),
             defaults,

@@ -178,6 +178,7 @@ impl Limits {
         dynamic.groups.retain(|host, group| {
             let keep = Arc::strong_count(group) > 1 || !group.is_idle();
             if !keep {
+                group.metrics.upstream.forget();
                 self.metrics.forget(host);
             }
             keep
