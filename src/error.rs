@@ -233,7 +233,7 @@ impl ProxyError {
         match refusal {
             crate::limit::Refusal::QueueFull { retry_after } => ProxyError::QueueFull {
                 group: name,
-                queue: group.settings.queue,
+                queue: group.settings().queue,
                 retry_after,
             },
             crate::limit::Refusal::BackendDown => ProxyError::BackendDown { group: name },

@@ -58,6 +58,7 @@ pub mod precise_sleep;
 pub mod proxy;
 pub mod pushback;
 pub mod ratelimit_headers;
+pub mod reload;
 pub mod replay;
 pub mod retry_after;
 pub mod server;

@@ -50,6 +50,10 @@ type HistogramFamily = Family<GroupLabel, Histogram, fn() -> Histogram>;
 
 /// All of tollgate's metrics.
 pub struct Metrics {
+    /// Reloads of the configuration that took effect.
+    pub config_reloads: Counter,
+    /// Reloads refused (an invalid file, a change that needs a restart).
+    pub config_reload_failures: Counter,
     registry: Mutex<Registry>,
     queue_depth: Family<GroupLabel, Gauge>,
     in_flight: Family<GroupLabel, Gauge>,
@@ -250,7 +254,21 @@ impl Metrics {
             "Requests that got no upstream answer, by group and Proxy-Status error type",
             upstream_errors.clone(),
         );
+        let config_reloads = Counter::default();
+        let config_reload_failures = Counter::default();
+        registry.register(
+            "tollgate_config_reloads",
+            "Reloads of the configuration that took effect",
+            config_reloads.clone(),
+        );
+        registry.register(
+            "tollgate_config_reload_failures",
+            "Reloads refused: nothing changed (the log says why)",
+            config_reload_failures.clone(),
+        );
         Metrics {
+            config_reloads,
+            config_reload_failures,
             upstream_responses,
             upstream_duration,
             upstream_errors,

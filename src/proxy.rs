@@ -49,9 +49,10 @@ use crate::upstream::{Dialer, Upstream};
 /// Everything a request needs, built once from the configuration and shared by all
 /// connections.
 pub struct Proxy {
-    access: Access,
-    classifier: Classifier,
-    limits: Arc<Limits>,
+    /// What a reload swaps, read once per request.
+    live: arc_swap::ArcSwap<Live>,
+    /// How to reload, and what it may not change.
+    reload: crate::reload::Reload,
     metrics: Arc<Metrics>,
     redis: Option<Arc<Redis>>,
     upstream: Upstream,
@@ -66,10 +67,34 @@ pub struct Proxy {
     body_idle: std::time::Duration,
     /// `replay_memory`: what the bodies read ahead for replay may take together.
     replay_memory: Arc<crate::replay::ReplayMemory>,
+}
+
+/// The part of the proxy a reload replaces: a request takes the one in force when it
+/// arrives and keeps it to its end.
+pub(crate) struct Live {
+    pub(crate) access: Access,
+    pub(crate) classifier: Classifier,
+    pub(crate) limits: Arc<Limits>,
     /// `[log] access`: one line per request.
-    access_log: bool,
+    pub(crate) access_log: bool,
     /// `[proxy] server_timing`: tell the client how long it queued.
-    server_timing: bool,
+    pub(crate) server_timing: bool,
+    /// Which file, when loaded.
+    pub(crate) loaded: crate::reload::Loaded,
+}
+
+impl Live {
+    /// Everything of `config` a reload may change, with `limits` built for it.
+    pub(crate) fn new(config: &Config, limits: Arc<Limits>) -> Result<Live, ConfigError> {
+        Ok(Live {
+            access: Access::new(config)?,
+            classifier: Classifier::new(config),
+            limits,
+            access_log: config.log.access,
+            server_timing: config.proxy.server_timing,
+            loaded: crate::reload::Loaded::of(config),
+        })
+    }
 }
 
 impl Proxy {
@@ -90,10 +115,10 @@ impl Proxy {
         };
         let store = redis.clone().map_or(Store::Memory, Store::Redis);
         let limits = Arc::new(Limits::new(config, metrics.clone(), store));
-        let access = Access::new(config)?;
+        let live = Live::new(config, limits)?;
         let dialer = Dialer {
             connect_timeout: config.proxy.connect_timeout.0,
-            policy: access.policy.clone(),
+            policy: Arc::new(arc_swap::ArcSwap::new(live.access.policy.clone())),
         };
         let upstream =
             Upstream::new(&config.proxy, dialer.clone()).map_err(|message| ConfigError::Other {
@@ -111,9 +136,8 @@ impl Proxy {
         };
         Ok(Proxy {
             intercept,
-            access,
-            classifier: Classifier::new(config),
-            limits,
+            live: arc_swap::ArcSwap::from_pointee(live),
+            reload: crate::reload::Reload::new(config),
             metrics,
             redis,
             upstream,
@@ -123,8 +147,6 @@ impl Proxy {
             shutdown: Shutdown::default(),
             body_idle: config.proxy.body_idle_timeout.0,
             replay_memory,
-            access_log: config.log.access,
-            server_timing: config.proxy.server_timing,
         })
     }
 
@@ -145,9 +167,10 @@ impl Proxy {
         sending: Option<&Arc<Sending>>,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
+        let live = self.live.load_full();
         // What the access log tells besides the answer; taken before classifying, which
         // may refuse the request or rewrite its URI.
-        let asked = self
+        let asked = live
             .access_log
             .then(|| (req.method().clone(), access_log::url(req.uri())));
         // A CONNECT's body is its tunnel, which may idle as long as it likes.
@@ -158,10 +181,10 @@ impl Proxy {
         // 0. Who asks, and whether it came round again (a password is checked below).
         // Inside a tunnel, the CONNECT that opened it was checked.
         let checked = match inside {
-            None => self.access.check(client, req.headers()),
+            None => live.access.check(client, req.headers()),
             Some(_) => Ok(crate::access::Check::Passed(None)),
         };
-        let mut classified = self.classify(req, local, inside).map(|mut to| {
+        let mut classified = self.classify(&live, req, local, inside).map(|mut to| {
             to.sending = sending.cloned();
             Box::new(to)
         });
@@ -202,7 +225,7 @@ impl Proxy {
                     (e.into_response(), by)
                 }
             };
-            if self.server_timing && group.is_some() {
+            if live.server_timing && group.is_some() {
                 let value = access_log::server_timing(timing.wait);
                 if let Ok(value) = http::HeaderValue::from_str(&value) {
                     response.headers_mut().append("server-timing", value);
@@ -232,23 +255,24 @@ impl Proxy {
     /// 1. Where a request goes, and whose budget it spends.
     fn classify(
         &self,
+        live: &Live,
         mut req: Request<Body>,
         local: SocketAddr,
         inside: Option<&Inside>,
     ) -> Result<Classified, ProxyError> {
         let target = match inside {
-            None => self.classifier.classify(&mut req, local)?,
+            None => live.classifier.classify(&mut req, local)?,
             Some(inside) => Classifier::inside(&mut req, inside)?,
         };
-        let group = self
+        let group = live
             .limits
             .group_for(&target.host, target.port, target.limit.as_deref());
         let cost = group
-            .settings
+            .settings()
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
         let upgrade = crate::upstream::upgrade::requested(req.version(), req.headers());
-        let url = self.access_log.then(|| access_log::url(req.uri()));
+        let url = live.access_log.then(|| access_log::url(req.uri()));
         Ok(Classified {
             url,
             left: LeftEarly(Some(group.clone())),
@@ -294,7 +318,7 @@ impl Proxy {
         // Not a request of its group: each one inside the tunnel is.
         to.left.disarm();
         let (host, port) = (&to.target.host, to.target.port);
-        let policy = &self.dialer.policy;
+        let policy = self.dialer.policy.load();
         policy
             .check_host(host)
             .and_then(|()| match crate::host::ip_of(host) {
@@ -345,7 +369,7 @@ impl Proxy {
             );
         }
         let memory = &self.replay_memory;
-        let read = request.read_body(group.settings.max_replay_body, memory);
+        let read = request.read_body(group.settings().max_replay_body, memory);
         // A body that fails (its client left, or stalled) is counted as `cancelled`.
         read.await?;
         // From here the group counts what becomes of the request.
@@ -384,9 +408,31 @@ impl Proxy {
         self.intercept.as_ref()
     }
 
-    /// The groups, for the admin endpoints.
-    pub fn limits(&self) -> &Arc<Limits> {
-        &self.limits
+    /// The groups in force, for the admin endpoints.
+    pub fn limits(&self) -> Arc<Limits> {
+        self.live.load().limits.clone()
+    }
+
+    /// The configuration file in force, for `/status`.
+    pub fn loaded(&self) -> crate::reload::Loaded {
+        self.live.load().loaded.clone()
+    }
+
+    /// Reads the configuration file again and, if it is usable and changes nothing
+    /// that needs a restart, swaps it in (see [`crate::reload`]); `Err` says why not,
+    /// and nothing changed.
+    pub fn reload(&self) -> Result<crate::reload::Loaded, String> {
+        let _one_at_a_time = self.reload.lock();
+        let answer = self.reload.read().and_then(|config| {
+            let limits = Arc::new(self.limits().reconfigured(&config));
+            let live = Live::new(&config, limits).map_err(|e| e.to_string())?;
+            self.dialer.policy.store(live.access.policy.clone());
+            let loaded = live.loaded.clone();
+            self.live.store(Arc::new(live));
+            Ok(loaded)
+        });
+        self.reload.record(&answer, &self.metrics);
+        answer
     }
 
     /// The metrics, for the admin endpoints.

@@ -58,6 +58,8 @@ pub struct Config {
     pub log: LogConfig,
     /// Where the settings naming files and servers were written, for their errors.
     pub places: Places,
+    /// The file it was loaded from, if any, for a reload.
+    pub source: Option<crate::reload::Source>,
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -101,7 +103,9 @@ impl Config {
             file: file.clone(),
             source,
         })?;
-        Config::parse(&text, &file)
+        let mut config = Config::parse(&text, &file)?;
+        config.source = Some(crate::reload::Source::of(path.into(), &text, &config));
+        Ok(config)
     }
 
     /// Parses and checks configuration text; `file` names it in errors.
@@ -408,6 +412,7 @@ impl RawConfig {
             backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
             access: self.access,
             places: Places::default(),
+            source: None,
         })
     }
 }

@@ -50,8 +50,8 @@ pub enum Refusal {
 pub struct Group {
     /// The group's name: a `[[limit]]` name, or the host for an unlisted host.
     pub name: Arc<str>,
-    /// The settings it was built from.
-    pub settings: GroupSettings,
+    /// The settings in force (a reload swaps them).
+    settings: arc_swap::ArcSwap<GroupSettings>,
     /// This group's metric handles (written here, never read back for a decision).
     pub metrics: GroupMetrics,
     store: Store,
@@ -124,9 +124,31 @@ impl Group {
                 adaptive: Adaptive::new(&settings, now),
             }),
             store,
-            settings,
+            settings: arc_swap::ArcSwap::from_pointee(settings),
             metrics,
         }
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> arc_swap::Guard<Arc<GroupSettings>> {
+        self.settings.load()
+    }
+
+    /// Takes new settings (a reload), keeping the queue, its order, the rate's state,
+    /// the pause and the permits held: the requests waiting leave at the new rate and
+    /// concurrency.
+    pub fn reconfigure(&self, settings: GroupSettings) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        state.rates.reconfigure(&settings);
+        let old = self.settings.load();
+        if (old.adaptive, old.min_rate, &old.rates)
+            != (settings.adaptive, settings.min_rate, &settings.rates)
+        {
+            state.adaptive = Adaptive::new(&settings, now);
+        }
+        self.permits.resize(settings.concurrency);
+        self.settings.store(Arc::new(settings));
     }
 
     /// Waits until a request of `cost` that arrived at `arrived` may leave, in FIFO
@@ -150,12 +172,23 @@ impl Group {
         }
         let mut place = Place::join(self, cost, front)?;
         // `max_wait` is a duration from the config: a value too large for the clock
-        // means "no limit".
-        let deadline = arrived.checked_add(self.settings.max_wait);
-        let waiting = self.wait_in_line(&mut place);
-        let waited = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, waiting).await,
-            None => Ok(waiting.await),
+        // means "no limit". A reload that lengthens it lengthens the wait of the
+        // requests already waiting.
+        let waited = {
+            let waiting = self.wait_in_line(&mut place);
+            tokio::pin!(waiting);
+            loop {
+                let deadline = arrived.checked_add(self.settings().max_wait);
+                let waited = match deadline {
+                    Some(deadline) => tokio::time::timeout_at(deadline, &mut waiting).await,
+                    None => Ok((&mut waiting).await),
+                };
+                let later = arrived.checked_add(self.settings().max_wait);
+                match waited {
+                    Err(_) if later.is_none_or(|later| later > Instant::now()) => continue,
+                    waited => break waited,
+                }
+            }
         };
         place.leave();
         match waited {

@@ -48,6 +48,17 @@ impl Rates {
         }
     }
 
+    /// Takes the rates of `settings` (a reload), keeping the TATs: what was spent
+    /// stays spent, and a waiting request's next slot follows the new rate.
+    pub fn reconfigure(&mut self, settings: &GroupSettings) {
+        let epoch = self.epoch;
+        let tats = std::mem::take(&mut self.tats);
+        *self = Rates::new(settings, epoch);
+        for (new, old) in self.tats.iter_mut().zip(tats) {
+            *new = old;
+        }
+    }
+
     /// The rates in force become the configured ones times `factor` (0 < factor ≤ 1).
     pub fn set_factor(&mut self, factor: f64) {
         self.in_force = self.configured.iter().map(|r| r.scaled(factor)).collect();
