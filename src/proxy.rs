@@ -84,12 +84,16 @@ pub(crate) struct Live {
 }
 
 impl Live {
-    /// Everything of `config` a reload may change, with `limits` built for it.
-    pub(crate) fn new(config: &Config, limits: Arc<Limits>) -> Result<Live, ConfigError> {
+    /// Everything of `config` a reload may change, with the groups `limits` builds for
+    /// it once nothing else can fail (a reload reconfigures the groups in force).
+    pub(crate) fn new(
+        config: &Config,
+        limits: impl FnOnce() -> Arc<Limits>,
+    ) -> Result<Live, ConfigError> {
         Ok(Live {
             access: Access::new(config)?,
             classifier: Classifier::new(config),
-            limits,
+            limits: limits(),
             access_log: config.log.access,
             server_timing: config.proxy.server_timing,
             loaded: crate::reload::Loaded::of(config),
@@ -114,8 +118,9 @@ impl Proxy {
             }
         };
         let store = redis.clone().map_or(Store::Memory, Store::Redis);
-        let limits = Arc::new(Limits::new(config, metrics.clone(), store));
-        let live = Live::new(config, limits)?;
+        let live = Live::new(config, || {
+            Arc::new(Limits::new(config, metrics.clone(), store))
+        })?;
         let dialer = Dialer {
             connect_timeout: config.proxy.connect_timeout.0,
             policy: Arc::new(arc_swap::ArcSwap::new(live.access.policy.clone())),
@@ -424,7 +429,7 @@ impl Proxy {
     pub fn reload(&self) -> Result<crate::reload::Loaded, String> {
         let _one_at_a_time = self.reload.lock();
         let answer = self.reload.read().and_then(|config| {
-            let limits = Arc::new(self.limits().reconfigured(&config));
+            let limits = || Arc::new(self.limits().reconfigured(&config));
             let live = Live::new(&config, limits).map_err(|e| e.to_string())?;
             self.dialer.policy.store(live.access.policy.clone());
             let loaded = live.loaded.clone();
