@@ -200,3 +200,90 @@ async fn access_false_writes_no_lines() {
     let lines = access_lines(&format!("{}/quiet", upstream.authority()), 0).await;
     assert!(lines.is_empty(), "{lines:?}");
 }
+
+/// The binary with `--log-format json` writes each access line as one JSON object,
+/// numbers as numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_writes_json_lines_with_log_format_json() {
+    let upstream = Upstream::start(|_| Reply::ok("hello")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let listen = closed_addr();
+    let text = allowing_loopback(&format!("[proxy]\nlisten = \"{listen}\"\n"));
+    let config = write_file(dir.path(), "config.toml", &text);
+    let log_path = dir.path().join("stderr.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "info")])
+        .args(["--log-format", "json", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("tollgate runs");
+    let read = || String::from_utf8_lossy(&std::fs::read(&log_path).unwrap()).into_owned();
+    let deadline = Instant::now() + BOUND;
+    while !read().contains("tollgate listening") {
+        assert!(Instant::now() < deadline, "never listened:\n{}", read());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://{listen}")).unwrap())
+        .timeout(BOUND)
+        .build()
+        .unwrap();
+    let resp = client.get(upstream.url("/json?q=1")).send().await.unwrap();
+    assert_eq!(resp.text().await.unwrap(), "hello");
+    let line = loop {
+        let text = read();
+        if let Some(line) = text.lines().find(|l| l.contains("\"target\":\"access\"")) {
+            break line.to_string();
+        }
+        assert!(Instant::now() < deadline, "no access line:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    child.kill().await.unwrap();
+    let json: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let fields = &json["fields"];
+    assert_eq!(json["level"], "INFO", "{line}");
+    assert_eq!(fields["url"], upstream.url("/json"), "{line}");
+    assert_eq!(fields["status"], 200, "{line}");
+    assert_eq!(fields["bytes"], 5, "{line}");
+    assert_eq!(fields["retries"], 0, "{line}");
+    assert_eq!(fields["answered"], "upstream", "{line}");
+    assert_eq!(fields["group"], "127.0.0.1", "{line}");
+    assert_eq!(fields["complete"], true, "{line}");
+    assert!(fields["wait_ms"].is_number(), "{line}");
+}
+
+/// A CONNECT has its line when the tunnel opens, and a refused one too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_has_its_line() {
+    install();
+    let upstream = Upstream::start(|_| Reply::ok("x")).await;
+    let proxy = start_proxy("[proxy]\nconnect_ports = [\"*\"]\n").await;
+    let authority = upstream.authority();
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    tokio::io::AsyncWriteExt::write_all(&mut stream, connect.as_bytes())
+        .await
+        .unwrap();
+    let (head, _) = read_head(&mut stream).await;
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    let lines = access_lines(&format!("url={authority} "), 1).await;
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(field(&lines[0], "method"), "CONNECT");
+    assert_eq!(field(&lines[0], "status"), "200");
+    assert_eq!(field(&lines[0], "answered"), "upstream");
+    drop(stream);
+
+    // Refused: no tunnels to a closed port are opened, and that is logged as tollgate's.
+    let closed = closed_addr();
+    let refused = raw_request(
+        proxy.addr,
+        format!("CONNECT {closed} HTTP/1.1\r\nHost: {closed}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(refused.status, 502);
+    let lines = access_lines(&format!("url={closed} "), 1).await;
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(field(&lines[0], "answered"), "tollgate:connection_refused");
+}
