@@ -138,6 +138,16 @@ pub enum ProxyError {
         /// An estimate of when a request could get through.
         retry_after: Duration,
     },
+    /// The wait ahead of the request already outlasts what is left of its `max_wait`.
+    #[error("group {group} cannot send this request within max_wait ({}): the wait ahead (the upstream's pause, the queue) is about {}", humantime::format_duration(*.max_wait), humantime::format_duration(*.ahead))]
+    WaitTooLong {
+        /// The group's name.
+        group: String,
+        /// The group's `max_wait`.
+        max_wait: Duration,
+        /// The estimated wait ahead, rounded to milliseconds.
+        ahead: Duration,
+    },
     /// The shared limit store is unreachable and `on_backend_error = "deny"`.
     #[error("the shared limit store (Redis) is unreachable; group {group} refuses requests until it answers (backend.on_backend_error = \"deny\")")]
     BackendDown {
@@ -195,9 +205,11 @@ impl ProxyError {
             Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
             ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            QueueFull { .. } | QueueTimeout { .. } | BackendDown { .. } | ShuttingDown => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            QueueFull { .. }
+            | QueueTimeout { .. }
+            | WaitTooLong { .. }
+            | BackendDown { .. }
+            | ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -222,7 +234,7 @@ impl ProxyError {
             Upstream { .. } => "http_protocol_error",
             // RFC 9209 has no queue types: the request was denied by tollgate's own
             // policy, and `details` says which bound.
-            QueueFull { .. } | QueueTimeout { .. } => "http_request_denied",
+            QueueFull { .. } | QueueTimeout { .. } | WaitTooLong { .. } => "http_request_denied",
             BackendDown { .. } | ShuttingDown => "proxy_internal_error",
         }
     }
@@ -237,6 +249,11 @@ impl ProxyError {
                 retry_after,
             },
             crate::limit::Refusal::BackendDown => ProxyError::BackendDown { group: name },
+            crate::limit::Refusal::WaitTooLong { ahead } => ProxyError::WaitTooLong {
+                group: name,
+                max_wait: group.settings().max_wait,
+                ahead: Duration::from_millis(ahead.as_millis() as u64),
+            },
             crate::limit::Refusal::MaxWait {
                 waited,
                 retry_after,
@@ -253,6 +270,7 @@ impl ProxyError {
         match self {
             ProxyError::QueueFull { retry_after, .. }
             | ProxyError::QueueTimeout { retry_after, .. } => Some(*retry_after),
+            ProxyError::WaitTooLong { ahead, .. } => Some(*ahead),
             // The probe looks twice a second; a second is an honest guess.
             ProxyError::BackendDown { .. } => Some(Duration::from_secs(1)),
             // Another instance, or this one restarted, is expected within seconds.

@@ -6,6 +6,7 @@
 //! distinct hosts cannot grow the registry without bound.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -42,6 +43,18 @@ struct KindLabels {
     group: String,
     kind: &'static str,
 }
+/// The labels of `tollgate_learned_rate`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LearnedLabels {
+    group: String,
+    source: &'static str,
+}
+
+/// Where a learned rate comes from, as the `source` label (see `limit::learn::Source`).
+pub const SOURCES: [&str; 3] = ["ratelimit-policy", "limit-and-reset", "refusals"];
+
+/// A gauge of a rate, in requests per second.
+pub type RateGauge = Gauge<f64, AtomicU64>;
 
 /// What can happen to a request at the throttle, as the `outcome` label.
 const OUTCOMES: [&str; 4] = ["admitted", "queue_full", "max_wait", "cancelled"];
@@ -66,6 +79,7 @@ pub struct Metrics {
     upstream_responses: Family<StatusLabels, Counter>,
     upstream_duration: HistogramFamily,
     upstream_errors: Family<KindLabels, Counter>,
+    learned: Family<LearnedLabels, RateGauge>,
 }
 
 /// One group's metric handles (clones share the underlying atomics).
@@ -95,6 +109,9 @@ pub struct GroupMetrics {
     pub passed_through: Counter,
     /// Upstream answers by status, latency and failures.
     pub upstream: Arc<UpstreamMetrics>,
+    /// The rate learned from the upstream, one gauge per source in [`SOURCES`] order;
+    /// the one in force is set, the others are 0.
+    pub learned_rate: [RateGauge; 3],
 }
 
 /// One group's upstream answers: counted by status code, timed, and its failures to
@@ -266,6 +283,12 @@ impl Metrics {
             "Reloads refused: nothing changed (the log says why)",
             config_reload_failures.clone(),
         );
+        let learned = Family::<LearnedLabels, RateGauge>::default();
+        registry.register(
+            "tollgate_learned_rate",
+            "Requests per second the group keeps to, learned from the upstream (by source)",
+            learned.clone(),
+        );
         Metrics {
             config_reloads,
             config_reload_failures,
@@ -273,6 +296,7 @@ impl Metrics {
             upstream_duration,
             upstream_errors,
             registry: Mutex::new(registry),
+            learned,
             queue_depth,
             in_flight,
             requests,
@@ -316,6 +340,14 @@ impl Metrics {
                 errors: self.upstream_errors.clone(),
                 seen: Mutex::default(),
             }),
+            learned_rate: SOURCES.map(|source| {
+                self.learned
+                    .get_or_create(&LearnedLabels {
+                        group: name.to_string(),
+                        source,
+                    })
+                    .clone()
+            }),
         }
     }
 
@@ -333,6 +365,12 @@ impl Metrics {
         self.pause_seconds.remove(&label);
         self.retries.remove(&label);
         self.passed_through.remove(&label);
+        for source in SOURCES {
+            self.learned.remove(&LearnedLabels {
+                group: name.to_string(),
+                source,
+            });
+        }
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {
                 group: name.to_string(),

@@ -361,11 +361,12 @@ impl Proxy {
             let permit = self.admit(group, *cost, arrived, false).await;
             timing.wait = arrived.elapsed();
             let switching = self.upstream.switching(&self.tunnels, &self.cut);
+            let sent = Instant::now();
             let send = Box::pin(switching.send(request.attempt(0), protocol, permit?));
             let response = answer(group, send, timing).await?;
             // A refusal still pauses the group; it is not replayed.
             return Ok(
-                match pushback::after_answer(group, arrived, false, 0, response) {
+                match pushback::after_answer(group, arrived, sent, false, 0, response) {
                     ControlFlow::Break(response) => response,
                     ControlFlow::Continue(()) => {
                         unreachable!("a request that cannot be replayed is not")
@@ -387,11 +388,12 @@ impl Proxy {
             // Until its response has been written, the client's end of stream waits:
             // a request that went upstream is answered (see `half_close`).
             let held = (permit?, sending.as_ref().map(Sending::start));
+            let sent = Instant::now();
             let send = Box::pin(self.upstream.send(request.attempt(attempt), held));
             let response = answer(group, send, timing).await?;
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
-            match pushback::after_answer(group, arrived, replay, attempt, response) {
+            match pushback::after_answer(group, arrived, sent, replay, attempt, response) {
                 ControlFlow::Break(response) => return Ok(response),
                 ControlFlow::Continue(()) => {
                     attempt += 1;

@@ -29,7 +29,7 @@ use crate::body::{self, Body, Buffered};
 use crate::config::GroupSettings;
 use crate::error::ProxyError;
 use crate::limit::Group;
-use crate::ratelimit_headers::{names_a_rate_limit, pause_hint};
+use crate::ratelimit_headers::{announced, names_a_rate_limit, pause_hint};
 use crate::replay::{ReplayMemory, Reservation};
 use crate::retry_after::{backoff, retry_after};
 
@@ -42,6 +42,9 @@ pub enum Verdict {
     Pause(Duration),
     /// The upstream refused the request: pause, and retry it if possible.
     PushBack(Duration),
+    /// The upstream refused the request without saying when to come back: pause for
+    /// this guess (a backoff, or a margin when paced), and retry it if possible.
+    Refused(Duration),
 }
 
 /// Judges an upstream response. Pure: the time and the jitter come in as arguments.
@@ -49,7 +52,10 @@ pub enum Verdict {
 /// `now` reads our wall clock at the response; it is called only for a response that
 /// says when to come back or carries rate-limit headers.
 /// `pushbacks_in_row` counts the group's push-backs since its last normal answer, for the
-/// fallback backoff; `jitter` is in `[0, 1)`.
+/// fallback backoff; `jitter` is in `[0, 1)`. `pace` is the group's emission interval
+/// when it is paced: a refusal that says nothing from a paced group means the request
+/// came slightly early, and it pauses for a small margin ([`BARE_MARGIN`] of the
+/// interval) instead of backing off from a second; the retry then takes the next slot.
 pub fn judge(
     status: u16,
     headers: &HeaderMap,
@@ -57,6 +63,7 @@ pub fn judge(
     now: impl Fn() -> SystemTime,
     pushbacks_in_row: u32,
     jitter: f64,
+    pace: Option<Duration>,
 ) -> Verdict {
     let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
     let max = settings.max_pause;
@@ -68,15 +75,20 @@ pub fn judge(
         None
     };
     if settings.retry_statuses.contains(&status) {
-        let fallback = || backoff(pushbacks_in_row, max, jitter);
+        let fallback = || {
+            Verdict::Refused(match pace {
+                Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
+                None => backoff(pushbacks_in_row, max, jitter),
+            })
+        };
         match text(header::RETRY_AFTER) {
             Some(value) => {
-                let pause = retry_after(value, text(header::DATE), now(), max);
-                return Verdict::PushBack(pause.unwrap_or_else(fallback));
+                let said = retry_after(value, text(header::DATE), now(), max);
+                return said.map_or_else(fallback, Verdict::PushBack);
             }
             // A 503 that does not say when to come back is an outage, not a limit.
             None if status == 503 => {}
-            None => return Verdict::PushBack(hint.unwrap_or_else(fallback)),
+            None => return hint.map_or_else(fallback, Verdict::PushBack),
         }
     }
     match hint {
@@ -84,6 +96,9 @@ pub fn judge(
         _ => Verdict::Pass,
     }
 }
+
+/// The pause after a bare refusal from a paced group, as a fraction of its interval.
+pub const BARE_MARGIN: f64 = 0.1;
 
 /// A request that may have to be sent more than once.
 pub enum Replayable {
@@ -218,12 +233,13 @@ fn owned_head(mut parts: http::request::Parts) -> http::request::Parts {
     parts
 }
 
-/// Acts on the upstream's answer to attempt `attempt` of a request of `group` that
-/// arrived at `arrived`: pauses the group as the answer says, and either hands the
+/// Acts on the upstream's answer to attempt `attempt`, sent at `sent`, of a request
+/// of `group` that arrived at `arrived`: pauses the group as the answer says, and either hands the
 /// answer over (`Break`) or asks for the request to be sent again (`Continue`).
 pub fn after_answer(
     group: &Group,
     arrived: Instant,
+    sent: Instant,
     can_replay: bool,
     attempt: u32,
     response: Response<Body>,
@@ -237,13 +253,20 @@ pub fn after_answer(
     } else {
         0.0
     };
+    let headers = response.headers();
+    if names_a_rate_limit(headers) {
+        if let Some(budget) = announced(headers, SystemTime::now()) {
+            group.learn(budget);
+        }
+    }
     let verdict = judge(
         status,
-        response.headers(),
+        headers,
         &settings,
         SystemTime::now,
         group.pushbacks_in_row(),
         jitter,
+        group.pace(),
     );
     let pause = match verdict {
         Verdict::Pass => {
@@ -252,13 +275,17 @@ pub fn after_answer(
         }
         Verdict::Pause(pause) => {
             group.calm();
-            group.pause_for(pause);
-            record_pause(group, pause, "budget spent (rate-limit headers)");
+            if group.spent_budget_pauses() {
+                group.pause_for(pause);
+                record_pause(group, pause, "budget spent (rate-limit headers)");
+            }
             return ControlFlow::Break(response);
         }
-        Verdict::PushBack(pause) => pause,
+        Verdict::PushBack(pause) => (pause, true),
+        Verdict::Refused(pause) => (pause, false),
     };
-    group.push_back(pause);
+    let (pause, said) = pause;
+    group.push_back(pause, said, sent);
     record_pause(group, pause, "upstream pushed back");
     let in_time = arrived
         .checked_add(settings.max_wait)
@@ -313,6 +340,7 @@ mod tests {
             || now,
             0,
             0.5,
+            None,
         )
     }
 
@@ -333,14 +361,17 @@ mod tests {
             at
         };
         let plain = headers(&[("content-type", "text/plain"), ("retry-after", "5")]);
-        assert_eq!(judge(200, &plain, &settings, now, 0, 0.5), Verdict::Pass);
+        assert_eq!(
+            judge(200, &plain, &settings, now, 0, 0.5, None),
+            Verdict::Pass
+        );
         assert_eq!(reads.get(), 0, "an ordinary answer reads no clock");
         let refused = headers(&[("retry-after", "5")]);
-        let verdict = judge(429, &refused, &settings, now, 0, 0.5);
+        let verdict = judge(429, &refused, &settings, now, 0, 0.5, None);
         assert_eq!(verdict, Verdict::PushBack(Duration::from_secs(5)));
         assert_eq!(reads.get(), 1, "a Retry-After is read against the clock");
         let spent = headers(&[("ratelimit", r#""default";r=0;t=30"#)]);
-        let verdict = judge(200, &spent, &settings, now, 0, 0.5);
+        let verdict = judge(200, &spent, &settings, now, 0, 0.5, None);
         assert_eq!(verdict, Verdict::Pause(Duration::from_secs(30)));
         assert_eq!(reads.get(), 2, "so is a rate-limit header");
     }
@@ -374,7 +405,7 @@ mod tests {
     #[test]
     fn garbage_falls_back_to_backoff() {
         match judged(429, &[("retry-after", "soon")]) {
-            Verdict::PushBack(d) => assert!(d <= Duration::from_secs(1), "{d:?}"),
+            Verdict::Refused(d) => assert!(d <= Duration::from_secs(1), "{d:?}"),
             v => panic!("{v:?}"),
         }
     }
@@ -422,8 +453,47 @@ mod tests {
             SystemTime::now,
             0,
             0.0,
+            None,
         );
         assert_eq!(v, Verdict::Pass);
+    }
+
+    #[test]
+    fn a_bare_429_from_a_paced_group_waits_a_margin_not_a_backoff() {
+        let settings = GroupSettings::default();
+        let ms = Duration::from_millis;
+        // (pushbacks in a row, pace, pause)
+        let cases = [
+            (0, Some(ms(200)), ms(20)),
+            (5, Some(ms(200)), ms(20)),
+            (0, Some(Duration::from_secs(7200)), Duration::from_secs(600)),
+            (0, None, ms(750)),
+            (2, None, Duration::from_secs(3)),
+        ];
+        for (in_row, pace, want) in cases {
+            let v = judge(
+                429,
+                &HeaderMap::new(),
+                &settings,
+                SystemTime::now,
+                in_row,
+                0.5,
+                pace,
+            );
+            assert_eq!(v, Verdict::Refused(want), "{in_row} {pace:?}");
+        }
+        // Anything the upstream says still wins.
+        let said = headers(&[("retry-after", "2")]);
+        let v = judge(
+            429,
+            &said,
+            &settings,
+            SystemTime::now,
+            0,
+            0.5,
+            Some(ms(200)),
+        );
+        assert_eq!(v, Verdict::PushBack(Duration::from_secs(2)));
     }
 
     #[test]

@@ -39,9 +39,10 @@
 //!   31 000 years ahead, as milliseconds it is any date after September 2001;
 //! * in between it is a Unix timestamp in **seconds**.
 //!
-//! A timestamp is measured against the response's own `Date` header when that parses,
-//! else against `now`, so a skew between the upstream's clock and ours does not
-//! stretch or shrink the pause. An HTTP-date in `*-Reset` is accepted and measured the
+//! A timestamp is measured against the upstream's clock: its `Date` header when our
+//! clock disagrees with it, else our own clock, which has the fraction of the second
+//! that `Date` lacks (see `retry_after::upstream_now`), so neither a skew nor `Date`'s
+//! resolution stretches or shrinks the pause. An HTTP-date in `*-Reset` is accepted and measured the
 //! same way. `X-RateLimit-Remaining` pairs only with `X-RateLimit-Reset`, and
 //! `RateLimit-Remaining` only with `RateLimit-Reset`. A header repeated on several
 //! lines counts by its first line.
@@ -70,12 +71,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::header::{HeaderMap, HeaderName, DATE};
 
-use crate::retry_after::{is_ows, until};
+use crate::limit::learn::{Announced, Source};
+use crate::retry_after::{is_ows, until, upstream_now};
 
 const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 const REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
 const RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+const X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+const LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 
@@ -125,11 +129,11 @@ pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> 
     let date = std::cell::OnceCell::new();
     let reference = || {
         *date.get_or_init(|| {
-            headers
+            let date = headers
                 .get(DATE)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| httpdate::parse_http_date(v).ok())
-                .unwrap_or(now)
+                .and_then(|v| httpdate::parse_http_date(v).ok());
+            upstream_now(date, now)
         })
     };
     [
@@ -141,6 +145,62 @@ pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> 
     .flatten()
     .max()
     .map(|d| d.min(max_pause))
+}
+
+/// The budget these response headers announce, for the group to learn its rate from:
+/// the slowest `RateLimit-Policy` policy (`q` per `w` seconds), else
+/// `X-RateLimit-Limit` (or `RateLimit-Limit`) with the time to its `Reset`. `now` is
+/// our wall clock at the response, for a reset given as a timestamp.
+pub fn announced(headers: &HeaderMap, now: SystemTime) -> Option<Announced> {
+    if !names_a_rate_limit(headers) {
+        return None;
+    }
+    if let Some(policy) = policy_budget(headers) {
+        return Some(policy);
+    }
+    let date = headers
+        .get(DATE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| httpdate::parse_http_date(v).ok());
+    let reference = || upstream_now(date, now);
+    [(&X_LIMIT, &X_RESET), (&LIMIT, &RESET)]
+        .into_iter()
+        .find_map(|(limit, reset)| {
+            let quota = leading_integer(headers.get(limit)?.to_str().ok()?)?;
+            let reset = headers.get(reset)?.to_str().ok()?.trim_matches(is_ows);
+            Some(Announced {
+                quota,
+                window: None,
+                reset: Some(legacy_reset(reset, reference)?),
+                source: Source::LimitAndReset,
+            })
+        })
+}
+
+/// `RateLimit-Policy`: the policy with the slowest `q` / `w`.
+fn policy_budget(headers: &HeaderMap) -> Option<Announced> {
+    let policies = sf::parse(&joined(headers, &RATELIMIT_POLICY)?)?;
+    policies
+        .iter()
+        .filter_map(|p| {
+            let quota = p.param("q")?.non_negative()?;
+            let window = p.param("w")?.non_negative()?;
+            (quota > 0 && window > 0).then_some((quota, window))
+        })
+        .min_by(|a, b| (a.0 as f64 / a.1 as f64).total_cmp(&(b.0 as f64 / b.1 as f64)))
+        .map(|(quota, window)| Announced {
+            quota,
+            window: Some(Duration::from_secs(window)),
+            reset: None,
+            source: Source::RatelimitPolicy,
+        })
+}
+
+/// The integer a `*-Limit` value starts with (`100`, or `100, 100;w=60` as some send).
+fn leading_integer(value: &str) -> Option<u64> {
+    let value = value.trim_matches(is_ows);
+    let digits = value.bytes().take_while(u8::is_ascii_digit).count();
+    value[..digits].parse().ok()
 }
 
 /// Family (a): a `*-Remaining` / `*-Reset` pair.
@@ -587,6 +647,85 @@ mod tests {
         let h = [("ratelimit", "limit=10, remaining=0, reset=0")];
         assert_eq!(hint(&h), secs(0));
         assert_eq!(hint(&[("ratelimit", r#""p";r=0;t=0"#)]), secs(0));
+    }
+
+    #[test]
+    fn announced_budgets() {
+        let reset = (EPOCH + 1).to_string();
+        let x = |q: u64, reset: Duration| Announced {
+            quota: q,
+            window: None,
+            reset: Some(reset),
+            source: Source::LimitAndReset,
+        };
+        let policy = |q: u64, w: u64| Announced {
+            quota: q,
+            window: Some(Duration::from_secs(w)),
+            reset: None,
+            source: Source::RatelimitPolicy,
+        };
+        let ms = Duration::from_millis;
+        // Our clock is 0.3 s into the second the Date header names.
+        let now = at(EPOCH) + ms(300);
+        type Pairs<'a> = &'a [(&'static str, &'a str)];
+        let cases: &[(Pairs, Option<Announced>)] = &[
+            (&[("date", EPOCH_DATE)], None),
+            (
+                &[("x-ratelimit-limit", "5"), ("x-ratelimit-reset", &reset)],
+                Some(x(5, ms(700))),
+            ),
+            (
+                &[
+                    ("date", EPOCH_DATE),
+                    ("x-ratelimit-limit", "100, 100;w=60"),
+                    ("x-ratelimit-remaining", "0"),
+                    ("x-ratelimit-reset", "60"),
+                ],
+                Some(x(100, Duration::from_secs(60))),
+            ),
+            (
+                &[("ratelimit-limit", "10"), ("ratelimit-reset", "3")],
+                Some(x(10, Duration::from_secs(3))),
+            ),
+            (&[("x-ratelimit-limit", "5")], None),
+            (
+                &[("x-ratelimit-limit", "many"), ("x-ratelimit-reset", "1")],
+                None,
+            ),
+            (
+                &[(
+                    "ratelimit-policy",
+                    r#""burst";q=100;w=60, "day";q=1000;w=86400"#,
+                )],
+                Some(policy(1000, 86400)),
+            ),
+            (
+                &[
+                    ("ratelimit-policy", r#""default";q=5;w=1"#),
+                    ("x-ratelimit-limit", "100"),
+                    ("x-ratelimit-reset", "1"),
+                ],
+                Some(policy(5, 1)),
+            ),
+            (&[("ratelimit-policy", r#""default";q=0;w=1"#)], None),
+        ];
+        for (pairs, want) in cases {
+            assert_eq!(announced(&headers(pairs), now), *want, "{pairs:?}");
+        }
+    }
+
+    #[test]
+    fn a_unix_reset_is_read_to_the_fraction_when_the_clocks_agree() {
+        // The window reopens at EPOCH + 1; the Date header says EPOCH, and our clock is
+        // 0.8 s into that second: 0.2 s, not a whole second.
+        let reset = (EPOCH + 1).to_string();
+        let h = headers(&[
+            ("date", EPOCH_DATE),
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &reset),
+        ]);
+        let now = at(EPOCH) + Duration::from_millis(800);
+        assert_eq!(pause_hint(&h, now, MAX), Some(Duration::from_millis(200)));
     }
 
     #[test]

@@ -67,10 +67,8 @@ pub fn retry_after(
         // httpdate accepts exactly the three RFC 9110 forms (IMF-fixdate, RFC 850,
         // asctime) and rejects a weekday that does not match the date.
         let at = httpdate::parse_http_date(value).ok()?;
-        let reference = date
-            .and_then(|d| httpdate::parse_http_date(d).ok())
-            .unwrap_or(now);
-        until(at, reference)
+        let date = date.and_then(|d| httpdate::parse_http_date(d).ok());
+        until(at, upstream_now(date, now))
     };
     Some(wait.min(max_pause))
 }
@@ -123,6 +121,23 @@ fn delta_seconds(s: &str) -> Option<u64> {
     Some(s.bytes().fold(0u64, |acc, b| {
         acc.saturating_mul(10).saturating_add(u64::from(b - b'0'))
     }))
+}
+
+/// The upstream's clock when it answered: its `Date` when that parses, but our own
+/// clock when the two agree to within `Date`'s one-second resolution.
+///
+/// `Date` is whole seconds, so a reset read against it alone ends up to a second late
+/// (a window that reopens at :05 is "1 s away" all through :04). Our clock has the
+/// fraction; when it reads within `[Date − 1 s, Date + 2 s]` (a second of resolution,
+/// a second of transit and skew) the clocks agree and ours is the precise one. Further
+/// apart they disagree, and only the upstream's own `Date` measures its resets.
+pub(crate) fn upstream_now(date: Option<SystemTime>, now: SystemTime) -> SystemTime {
+    const SECOND: Duration = Duration::from_secs(1);
+    match date {
+        Some(date) if now + SECOND >= date && now <= date + 2 * SECOND => now,
+        Some(date) => date,
+        None => now,
+    }
 }
 
 /// How far `at` lies after `reference`; zero when it does not.

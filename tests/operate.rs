@@ -81,7 +81,8 @@ fn group_section<'a>(dom: &'a str, group: &str) -> &'a str {
 }
 
 /// One slow group with one request gone and three waiting: the dashboard, loaded in
-/// Chromium, shows them, and a screenshot is kept in `target/dashboard.png`.
+/// Chromium, shows them, and a screenshot is kept as `dashboard.png` in cargo's
+/// directory for test artifacts (`target/tmp/` unless `CARGO_TARGET_DIR` moves it).
 #[tokio::test]
 async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
     let upstream = Upstream::start(|_| Reply::ok("done")).await;
@@ -133,7 +134,7 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
     assert_eq!(field(section, "rate"), "1/min");
     assert!(field(section, "pushbacks").starts_with("0 pauses"));
 
-    let png = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/dashboard.png");
+    let png = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     let _ = std::fs::remove_file(&png);
     headless(&url, &[&format!("--screenshot={}", png.display())]).await;
     let bytes = std::fs::read(&png).expect("chromium wrote the screenshot");

@@ -19,6 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::adaptive::Adaptive;
+use super::learn::{self, Announced, Learner, Source};
 use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
@@ -37,6 +38,12 @@ pub enum Refusal {
     },
     /// The shared store is unreachable and `on_backend_error = "deny"`.
     BackendDown,
+    /// The wait ahead of the request (the upstream's pause, the queue) already
+    /// outlasts what is left of its `max_wait`: refused at once rather than at the end.
+    WaitTooLong {
+        /// The estimated wait ahead.
+        ahead: Duration,
+    },
     /// The request waited `max_wait` without leaving.
     MaxWait {
         /// How long it waited.
@@ -69,6 +76,7 @@ pub(super) struct State {
     pub(super) rates: Rates,
     pub(super) pause: Pause,
     adaptive: Adaptive,
+    learner: Learner,
 }
 
 /// A head whose slot is at least this far off sleeps on a kernel timer
@@ -100,6 +108,11 @@ pub struct GroupStatus {
     /// The rates in force, in requests per second (slower than configured while an
     /// adaptive group is backing off); empty when the group has no rate.
     pub effective_rates_per_second: Vec<f64>,
+    /// The rate learned from the upstream, in requests per second, which the group
+    /// keeps to as well (it matters where it is slower than the configured rates).
+    pub learned_rate_per_second: Option<f64>,
+    /// Where the learned rate comes from.
+    pub learned_from: Option<Source>,
 }
 
 impl Group {
@@ -125,6 +138,7 @@ impl Group {
                 rates: Rates::new(&settings, now),
                 pause: Pause::default(),
                 adaptive: Adaptive::new(&settings, now),
+                learner: Learner::new(now),
             }),
             store,
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -149,6 +163,8 @@ impl Group {
             != (settings.adaptive, settings.min_rate, &settings.rates)
         {
             state.adaptive = Adaptive::new(&settings, now);
+            let factor = state.adaptive.factor();
+            state.rates.set_factor(factor);
         }
         self.permits.resize(settings.concurrency);
         self.settings.store(Arc::new(settings));
@@ -175,25 +191,20 @@ impl Group {
                 .observe(arrived.elapsed().as_secs_f64());
             return Ok(permit);
         }
-        let mut place = Place::join(self, cost, front)?;
         // `max_wait` is a duration from the config: a value too large for the clock
-        // means "no limit". A reload that lengthens it lengthens the wait of the
-        // requests already waiting.
-        let waited = {
-            let waiting = self.wait_in_line(&mut place);
-            tokio::pin!(waiting);
-            loop {
-                let deadline = arrived.checked_add(self.settings().max_wait);
-                let waited = match deadline {
-                    Some(deadline) => tokio::time::timeout_at(deadline, &mut waiting).await,
-                    None => Ok((&mut waiting).await),
-                };
-                let later = arrived.checked_add(self.settings().max_wait);
-                match waited {
-                    Err(_) if later.is_none_or(|later| later > Instant::now()) => continue,
-                    waited => break waited,
-                }
-            }
+        // means "no limit". A request keeps the one it arrived with through a reload.
+        let deadline = arrived.checked_add(self.settings().max_wait);
+        // A retry waits behind nobody; a first attempt behind the whole queue.
+        let ahead = self.estimate_wait(!front);
+        if deadline.is_some_and(|deadline| Instant::now() + ahead > deadline) {
+            self.metrics.max_wait.inc();
+            return Err(Refusal::WaitTooLong { ahead });
+        }
+        let mut place = Place::join(self, cost, front, deadline)?;
+        let waiting = self.wait_in_line(&mut place);
+        let waited = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, waiting).await,
+            None => Ok(waiting.await),
         };
         place.leave();
         match waited {
@@ -204,12 +215,17 @@ impl Group {
                     .observe(arrived.elapsed().as_secs_f64());
                 Ok(permit)
             }
-            Ok(Err(refusal)) => Err(refusal),
+            Ok(Err(refusal)) => {
+                if matches!(refusal, Refusal::WaitTooLong { .. }) {
+                    self.metrics.max_wait.inc();
+                }
+                Err(refusal)
+            }
             Err(_) => {
                 self.metrics.max_wait.inc();
                 Err(Refusal::MaxWait {
                     waited: arrived.elapsed(),
-                    retry_after: self.estimate_wait(),
+                    retry_after: self.estimate_wait(true),
                 })
             }
         }
@@ -240,8 +256,10 @@ impl Group {
     /// Waits for the turn, or for the head before it to release it.
     async fn wait_in_line(self: &Arc<Self>, place: &mut Place) -> Result<Permit, Refusal> {
         loop {
-            if let Some(held) = place.wait_for_turn().await {
-                return Ok(Permit::new(held, self.clone()));
+            match place.wait_for_turn().await {
+                Ok(Some(held)) => return Ok(Permit::new(held, self.clone())),
+                Ok(None) => {}
+                Err(ahead) => return Err(Refusal::WaitTooLong { ahead }),
             }
             // Boxed: only the head gets here, and its wait (timers, the store's round
             // trip, a permit) is most of this future; inline, every waiting request
@@ -266,6 +284,9 @@ impl Group {
             let now = Instant::now();
             let paused = self.lock().pause.until(now);
             if let Some(until) = paused {
+                if place.deadline.is_some_and(|deadline| until > deadline) {
+                    return Err(Refusal::WaitTooLong { ahead: until - now });
+                }
                 // A slot booked before the pause began has passed.
                 booked = false;
                 tokio::time::sleep_until(until).await;
@@ -323,6 +344,9 @@ impl Group {
         if state.adaptive.departed(now) {
             state.rates.set_factor(state.adaptive.factor());
         }
+        if state.learner.departed(now) {
+            self.relearn(state);
+        }
         if booked {
             return;
         }
@@ -350,34 +374,96 @@ impl Group {
     }
 
     /// Holds every request of the group for `pause`, on every replica when the store is
-    /// shared.
+    /// shared. Waiting requests that the pause (and the queue ahead of them after it)
+    /// would keep past their `max_wait` are refused now.
     pub fn pause_for(&self, pause: Duration) {
-        self.lock().pause.extend(Instant::now() + pause);
+        let mut state = self.lock();
+        state.pause.extend(Instant::now() + pause);
+        if let Some(until) = state.pause.until(Instant::now()) {
+            let State { queue, rates, .. } = &mut *state;
+            queue.refuse_hopeless(|ahead| until + rates.backlog(until, ahead));
+        }
+        drop(state);
         self.store.pause(&self.name, pause);
     }
 
-    /// The upstream pushed back: pause the group for `pause`, and in adaptive mode
-    /// slow its rate down.
-    pub fn push_back(&self, pause: Duration) {
+    /// The upstream pushed back on a request sent at `sent`: pause the group for
+    /// `pause` (`said`: the upstream said so, else it is a guess), learn from the
+    /// refusal, and in adaptive mode slow its rate down.
+    pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) {
         {
             let mut state = self.lock();
-            state.pause.pushed_back();
-            if state.adaptive.pushed_back(Instant::now()) {
+            let now = Instant::now();
+            state.pause.pushed_back(now);
+            if state.adaptive.pushed_back(now) {
                 let factor = state.adaptive.factor();
                 state.rates.set_factor(factor);
+            }
+            let pace = state.rates.pace().map(|p| 1.0 / p.as_secs_f64());
+            state.learner.set_replicas(self.store.replicas());
+            if state.learner.refused(now, sent, pause, said, pace) {
+                self.relearn(&mut state);
             }
         }
         self.pause_for(pause);
     }
 
-    /// The upstream answered normally: the fallback backoff starts over.
+    /// The upstream answered normally: the fallback backoff starts over, and the
+    /// answer counts for what the upstream lets through.
     pub fn calm(&self) {
-        self.lock().pause.calm();
+        let mut state = self.lock();
+        state.pause.calm();
+        state.learner.accepted(Instant::now());
     }
 
-    /// Push-backs since the last normal answer (0 for the first).
+    /// An answer announced the upstream's budget.
+    pub fn learn(&self, budget: Announced) {
+        let mut state = self.lock();
+        if state.learner.announced(budget, Instant::now()) {
+            self.relearn(&mut state);
+        }
+    }
+
+    /// The group's pace: the emission interval of its slowest rate in force.
+    pub fn pace(&self) -> Option<Duration> {
+        self.lock().rates.pace()
+    }
+
+    /// Whether a spent budget (`Remaining: 0`) should pause the group now
+    /// ([`learn::spent_budget_pauses`]).
+    pub fn spent_budget_pauses(&self) -> bool {
+        let state = self.lock();
+        let announced = state.learner.announced_budget();
+        let ours = announced.map_or(0, |(_, window)| {
+            state.learner.accepted_within(Instant::now(), window)
+        });
+        learn::spent_budget_pauses(state.rates.pace(), announced, ours)
+    }
+
+    /// The learned rate changed: the rates and the metric follow.
+    fn relearn(&self, state: &mut State) {
+        let learned = state.learner.rate();
+        state.rates.set_learned(learned.map(|(rate, _)| rate));
+        for (gauge, source) in self
+            .metrics
+            .learned_rate
+            .iter()
+            .zip(crate::metrics::SOURCES)
+        {
+            let rate = learned
+                .filter(|(_, s)| s.as_str() == source)
+                .map_or(0.0, |l| l.0);
+            gauge.set(rate);
+        }
+        if let Some((rate, source)) = learned {
+            tracing::debug!(group = %self.name, rate, source = source.as_str(), "learned rate");
+        }
+    }
+
+    /// Push-back episodes since the last normal answer (0 for the first), not counting
+    /// the one whose pause holds now ([`Pause::in_row`]).
     pub fn pushbacks_in_row(&self) -> u32 {
-        self.lock().pause.in_row()
+        self.lock().pause.in_row(Instant::now())
     }
 
     /// When the current pause ends, if the group is paused.
@@ -395,6 +481,8 @@ impl Group {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             paused_for_seconds: state.pause.until(now).map(|p| (p - now).as_secs_f64()),
             effective_rates_per_second: state.rates.per_second(),
+            learned_rate_per_second: state.learner.rate().map(|(rate, _)| rate),
+            learned_from: state.learner.rate().map(|(_, source)| source),
         }
     }
 
@@ -410,14 +498,14 @@ impl Group {
             && state.rates.is_idle(now)
     }
 
-    /// How long a request arriving now would wait: the rate's backlog for the queued
-    /// cost, or the pause, whichever is longer.
-    pub(super) fn estimate_wait(&self) -> Duration {
+    /// How long a request arriving now would wait: the pause, then the rate's backlog
+    /// for the queued cost (`behind_queue`) or for nobody ahead (a retry).
+    pub(super) fn estimate_wait(&self, behind_queue: bool) -> Duration {
         let state = self.lock();
         let now = Instant::now();
-        let paced = state.rates.backlog(now, state.queue.cost());
-        let paused = state.pause.until(now).map_or(Duration::ZERO, |p| p - now);
-        paced.max(paused)
+        let ahead = if behind_queue { state.queue.cost() } else { 0 };
+        let start = state.pause.until(now).unwrap_or(now);
+        (start - now) + state.rates.backlog(start, ahead)
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, State> {
@@ -525,16 +613,20 @@ mod tests {
     async fn a_reload_sends_the_waiting_requests_at_the_new_rate_in_order() {
         let g = group("1/h", |s| {
             s.concurrency = 1;
-            s.max_wait = Duration::from_secs(7200);
+            s.max_wait = Duration::from_secs(10 * 3600);
         });
         let start = Instant::now();
         let waiting = tokio::spawn({
             let g = g.clone();
             async move { run(&g, 4, Duration::from_millis(10)).await }
         });
-        while g.status().queued < 3 {
+        for _ in 0..1000 {
+            if g.status().queued == 3 {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        assert_eq!(g.status().queued, 3);
         tokio::time::sleep(Duration::from_secs(60)).await;
         let mut faster = (**g.settings()).clone();
         faster.rates = vec!["10/s".parse::<Rate>().unwrap()];
@@ -673,7 +765,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn max_wait_refuses_and_frees_the_place() {
-        let g = group("1/10s", |s| s.max_wait = Duration::from_secs(1));
+        // Held by a concurrency permit, which no estimate foresees: refused at max_wait.
+        let g = group("unlimited", |s| {
+            s.max_wait = Duration::from_secs(1);
+            s.concurrency = 1;
+        });
         let now = Instant::now();
         let _first = g.admit(1, now, false).await.unwrap();
         let refused = g.admit(1, now, false).await;
@@ -687,6 +783,97 @@ mod tests {
             (g.metrics.max_wait.get(), g.metrics.cancelled.get()),
             (1, 0)
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_outlasts_max_wait_is_refused_at_once() {
+        // (rate, pause, requests already queued behind the one in flight, refused)
+        let cases = [
+            ("1/10s", 0, 0, true),
+            ("10/s", 0, 5, false),
+            ("10/s", 0, 25, true),
+            ("unlimited", 100, 0, true),
+            ("unlimited", 1, 0, false),
+        ];
+        for (rate, pause, queued, refused) in cases {
+            let g = group(rate, |s| s.max_wait = Duration::from_secs(2));
+            let start = Instant::now();
+            let _first = g.admit(1, start, false).await.unwrap();
+            g.pause_for(Duration::from_secs(pause));
+            let mut waiting = Vec::new();
+            for _ in 0..queued {
+                let g = g.clone();
+                let now = Instant::now();
+                waiting.push(tokio::spawn(async move { g.admit(1, now, false).await }));
+                tokio::task::yield_now().await;
+            }
+            let answer = g.admit(1, Instant::now(), false);
+            let answer = futures_util::FutureExt::now_or_never(Box::pin(answer));
+            let case = format!("{rate} pause {pause} queued {queued}");
+            match answer {
+                Some(Err(Refusal::WaitTooLong { ahead })) => {
+                    assert!(refused, "{case}: {ahead:?}");
+                    assert!(ahead > Duration::from_secs(2), "{case}: {ahead:?}");
+                }
+                None => assert!(!refused, "{case}: waits"),
+                other => panic!("{case}: {other:?}"),
+            }
+            assert_eq!(start.elapsed(), Duration::ZERO, "{case}");
+            for w in waiting {
+                w.abort();
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_refuses_at_once_the_waiting_requests_it_would_hold_too_long() {
+        let g = group("10/s", |s| s.max_wait = Duration::from_secs(3));
+        let start = Instant::now();
+        let _first = g.admit(1, start, false).await.unwrap();
+        let mut waiting = Vec::new();
+        for _ in 0..4 {
+            let g = g.clone();
+            waiting.push(tokio::spawn(async move {
+                let answer = g.admit(1, start, false).await.map(drop);
+                (answer, start.elapsed())
+            }));
+            tokio::task::yield_now().await;
+        }
+        // Paused until 2.75 s: the first three leave at 2.75, 2.85 and 2.95 s, within
+        // their 3 s; the last would leave after it, and is refused now.
+        g.pause_for(Duration::from_millis(2750));
+        let mut answers = Vec::new();
+        for w in waiting {
+            let (answer, at) = w.await.unwrap();
+            answers.push((answer.is_ok(), at.as_millis()));
+        }
+        assert_eq!(
+            answers,
+            [(true, 2750), (true, 2850), (true, 2950), (false, 0)]
+        );
+        assert_eq!(g.metrics.max_wait.get(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_refusal_an_unlimited_group_replays_at_the_learned_pace() {
+        let g = group("unlimited", |_| {});
+        // The upstream accepted five and refused the rest with a 1 s pause.
+        for _ in 0..5 {
+            g.calm();
+        }
+        g.push_back(Duration::from_secs(1), true, Instant::now());
+        let status = g.status();
+        assert_eq!(status.learned_from, Some(Source::Refusals));
+        let rate = status.learned_rate_per_second.unwrap();
+        assert!((4.9..=5.0).contains(&rate), "{rate}");
+        let out = run(&g, 4, Duration::ZERO).await;
+        let times: Vec<u128> = out.iter().map(|(_, t)| *t).collect();
+        // Head first at the pause's end, then one every 1 / rate (≈ 204 ms), not all
+        // at once.
+        assert_eq!(times[0], 1000, "{times:?}");
+        for gap in times.windows(2).map(|w| w[1] - w[0]) {
+            assert!((200..=210).contains(&gap), "{times:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -792,11 +979,11 @@ mod tests {
     async fn adaptive_halves_once_per_episode_and_climbs_back_when_calm() {
         let g = group("100/s", |s| s.adaptive = true);
         let rate = |g: &Group| g.status().effective_rates_per_second[0].round();
-        g.push_back(Duration::ZERO);
-        g.push_back(Duration::ZERO); // same episode: no second halving
+        g.push_back(Duration::ZERO, true, Instant::now());
+        g.push_back(Duration::ZERO, true, Instant::now()); // same episode: no second halving
         assert_eq!(rate(&g), 50.0);
         tokio::time::sleep(Duration::from_secs(2)).await;
-        g.push_back(Duration::ZERO);
+        g.push_back(Duration::ZERO, true, Instant::now());
         assert_eq!(rate(&g), 25.0);
         for _ in 0..5 {
             tokio::time::sleep(Duration::from_secs(1)).await;

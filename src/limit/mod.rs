@@ -17,6 +17,7 @@
 pub mod adaptive;
 pub mod gcra;
 pub mod group;
+pub mod learn;
 pub mod pause;
 pub mod permits;
 pub mod queue;

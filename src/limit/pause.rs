@@ -1,8 +1,8 @@
 //! A group's pause: the upstream said "not before then", so nothing leaves until then.
 //!
 //! A later pause extends an earlier one; an earlier one never shortens it. The pause
-//! also counts the push-backs since the upstream last answered normally, which sets
-//! the fallback backoff of a refusal that does not say when to come back.
+//! also counts the push-back episodes since the upstream last answered normally, which
+//! sets the fallback backoff of a refusal that does not say when to come back.
 
 use tokio::time::Instant;
 
@@ -24,9 +24,13 @@ impl Pause {
         self.until.filter(|p| *p > now)
     }
 
-    /// The upstream pushed back once more.
-    pub fn pushed_back(&mut self) {
-        self.in_row = self.in_row.saturating_add(1);
+    /// The upstream pushed back once more at `now`. A push-back while the pause of an
+    /// earlier one holds is part of that episode (one overload refuses every request
+    /// in flight at once) and is not counted again.
+    pub fn pushed_back(&mut self, now: Instant) {
+        if self.until(now).is_none() {
+            self.in_row = self.in_row.saturating_add(1);
+        }
     }
 
     /// The upstream answered normally: the fallback backoff starts over.
@@ -34,9 +38,13 @@ impl Pause {
         self.in_row = 0;
     }
 
-    /// Push-backs since the last normal answer.
-    pub fn in_row(&self) -> u32 {
-        self.in_row
+    /// Push-back episodes since the last normal answer, not counting the one whose
+    /// pause holds at `now`: what the next refusal's fallback backoff starts from.
+    pub fn in_row(&self, now: Instant) -> u32 {
+        match self.until(now) {
+            Some(_) => self.in_row.saturating_sub(1),
+            None => self.in_row,
+        }
     }
 }
 
@@ -64,12 +72,22 @@ mod tests {
     }
 
     #[test]
-    fn push_backs_in_a_row_start_over_when_calm() {
+    fn push_back_episodes_in_a_row_start_over_when_calm() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
         let mut p = Pause::default();
-        p.pushed_back();
-        p.pushed_back();
-        assert_eq!(p.in_row(), 2);
+        // A burst refused at once: one episode, whose pause the backoff does not count.
+        for _ in 0..5 {
+            p.pushed_back(t0);
+            p.extend(t0 + s);
+            assert_eq!(p.in_row(t0), 0);
+        }
+        // Refused again after that pause: the second episode.
+        p.pushed_back(t0 + 2 * s);
+        p.extend(t0 + 3 * s);
+        assert_eq!(p.in_row(t0 + 2 * s), 1);
+        assert_eq!(p.in_row(t0 + 4 * s), 2);
         p.calm();
-        assert_eq!(p.in_row(), 0);
+        assert_eq!(p.in_row(t0 + 4 * s), 0);
     }
 }

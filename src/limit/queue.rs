@@ -36,6 +36,8 @@ pub struct Queue {
     len: usize,
     /// Their total cost, for the `Retry-After` estimate.
     cost: u64,
+    /// The cost of the request holding the turn (0 when none does).
+    head_cost: u64,
 }
 
 /// A request waiting for the turn, as the head sees it.
@@ -44,6 +46,8 @@ struct Waiter {
     cost: u32,
     /// When it joined: it is not counted as leaving before that.
     joined: Instant,
+    /// When its `max_wait` runs out, if it does.
+    deadline: Option<Instant>,
 }
 
 /// What a waiting request receives when the requests ahead of it have gone.
@@ -53,6 +57,9 @@ pub enum Turn {
     /// Its slot had come when the head before it left: that head counted its
     /// departure and sends the permit it holds in flight.
     Leave(Held),
+    /// The wait ahead of it (a pause that began meanwhile) outlasts its `max_wait`:
+    /// it is refused now, with this estimate of when a request could leave.
+    Refuse(std::time::Duration),
 }
 
 impl Queue {
@@ -89,8 +96,34 @@ impl Queue {
             .send(Turn::Leave(held))
             .map_err(|turn| match turn {
                 Turn::Leave(held) => held,
-                Turn::Take => unreachable!("sent a release"),
+                Turn::Take | Turn::Refuse(_) => unreachable!("sent a release"),
             })
+    }
+
+    /// Refuses, in queue order, the waiting requests whose departure `eta` (given the
+    /// cost queued ahead of each, the head's included) estimates after their
+    /// deadline: they would only wait to be refused. Returns how many.
+    pub fn refuse_hopeless(&mut self, eta: impl Fn(u64) -> Instant) -> u64 {
+        let mut ahead = self.head_cost;
+        let mut hopeless = Vec::new();
+        for (key, waiter) in &self.waiting {
+            ahead += u64::from(waiter.cost);
+            let at = eta(ahead - u64::from(waiter.cost));
+            if waiter.deadline.is_some_and(|deadline| at > deadline) {
+                hopeless.push((*key, at));
+            }
+        }
+        let now = Instant::now();
+        let mut refused = 0;
+        for (key, at) in hopeless {
+            if let Some(waiter) = self.waiting.remove(&key) {
+                // Gone already: it removes itself, and was counted then.
+                if waiter.tx.send(Turn::Refuse(at - now)).is_ok() {
+                    refused += 1;
+                }
+            }
+        }
+        refused
     }
 
     /// Whether a retried request waits ahead of `key`.
@@ -105,9 +138,15 @@ impl Queue {
         (if front { RETRY } else { FIRST }, seq)
     }
 
-    fn wait(&mut self, key: Key, cost: u32, joined: Instant) -> Stage {
+    fn wait(&mut self, key: Key, cost: u32, joined: Instant, deadline: Option<Instant>) -> Stage {
         let (tx, rx) = oneshot::channel();
-        self.waiting.insert(key, Waiter { tx, cost, joined });
+        let waiter = Waiter {
+            tx,
+            cost,
+            joined,
+            deadline,
+        };
+        self.waiting.insert(key, waiter);
         Stage::Waiting(rx)
     }
 
@@ -132,6 +171,8 @@ pub struct Place {
     pub joined: Instant,
     /// Its position.
     pub key: Key,
+    /// When its `max_wait` runs out, if it does.
+    pub deadline: Option<Instant>,
     stage: Stage,
 }
 
@@ -149,7 +190,12 @@ enum Stage {
 impl Place {
     /// Joins `group`'s queue (at the front for a retry, which the `queue` bound does not
     /// refuse: it was admitted before), taking the turn when nobody is ahead.
-    pub fn join(group: &Arc<Group>, cost: u32, front: bool) -> Result<Place, Refusal> {
+    pub fn join(
+        group: &Arc<Group>,
+        cost: u32,
+        front: bool,
+        deadline: Option<Instant>,
+    ) -> Result<Place, Refusal> {
         let joined = Instant::now();
         let mut state = group.lock();
         let queue = &mut state.queue;
@@ -157,7 +203,7 @@ impl Place {
             drop(state);
             group.metrics.queue_full.inc();
             return Err(Refusal::QueueFull {
-                retry_after: group.estimate_wait(),
+                retry_after: group.estimate_wait(true),
             });
         }
         queue.len += 1;
@@ -166,34 +212,43 @@ impl Place {
         let key = queue.key(front);
         let stage = if !queue.turn_taken && queue.waiting.is_empty() {
             queue.turn_taken = true;
+            queue.head_cost = u64::from(cost);
             Stage::HasTurn
         } else {
-            queue.wait(key, cost, joined)
+            queue.wait(key, cost, joined, deadline)
         };
         Ok(Place {
             group: group.clone(),
             cost,
             joined,
             key,
+            deadline,
             stage,
         })
     }
 
     /// Waits until the requests ahead have gone: `Some` with the permit when the head
-    /// before it released it (it may leave now), `None` when it holds the turn.
-    pub async fn wait_for_turn(&mut self) -> Option<Held> {
+    /// before it released it (it may leave now), `None` when it holds the turn; the
+    /// refusal when the wait ahead outlasts its `max_wait`.
+    pub async fn wait_for_turn(&mut self) -> Result<Option<Held>, std::time::Duration> {
         let Stage::Waiting(rx) = &mut self.stage else {
-            return None;
+            return Ok(None);
         };
         // The sender is dropped only after a send, or by this place's own `leave`.
         match rx.await {
             Ok(Turn::Leave(held)) => {
                 self.stage = Stage::Released;
-                Some(held)
+                Ok(Some(held))
+            }
+            Ok(Turn::Refuse(eta)) => {
+                // Out of the map already, and not holding the turn.
+                self.stage = Stage::Released;
+                Err(eta)
             }
             Ok(Turn::Take) | Err(_) => {
                 self.stage = Stage::HasTurn;
-                None
+                self.group.lock().queue.head_cost = u64::from(self.cost);
+                Ok(None)
             }
         }
     }
@@ -204,7 +259,8 @@ impl Place {
         let mut state = self.group.lock();
         let queue = &mut state.queue;
         self.key = queue.key(true);
-        self.stage = queue.wait(self.key, self.cost, self.joined);
+        self.stage = queue.wait(self.key, self.cost, self.joined, self.deadline);
+        queue.head_cost = 0;
         queue.pass_turn();
     }
 
@@ -221,12 +277,15 @@ impl Place {
                 // leaving the queue.
                 if queue.waiting.remove(&self.key).is_none() {
                     match rx.try_recv() {
-                        Ok(Turn::Leave(_)) => {}
+                        Ok(Turn::Leave(_) | Turn::Refuse(_)) => {}
                         Ok(Turn::Take) | Err(_) => queue.pass_turn(),
                     }
                 }
             }
-            Stage::HasTurn => queue.pass_turn(),
+            Stage::HasTurn => {
+                queue.head_cost = 0;
+                queue.pass_turn();
+            }
             Stage::Released => {}
         }
         queue.len -= 1;

@@ -25,9 +25,14 @@ pub const SLOT_CREDIT: Duration = Duration::from_millis(10);
 pub struct Rates {
     /// The configured rates (empty: no rate limit).
     configured: Vec<Gcra>,
-    /// The rates in force: the configured ones, slower while an adaptive group backs off.
+    /// The rates in force: the configured ones, slower while an adaptive group backs off,
+    /// then the learned one if any.
     in_force: Vec<Gcra>,
-    /// One TAT per rate, as an offset from `epoch`.
+    /// The rate learned from the upstream ([`super::learn`]), burst 1.
+    learned: Option<Gcra>,
+    factor: f64,
+    /// One TAT per configured rate and one for the learned rate, as an offset from
+    /// `epoch`.
     tats: Vec<Duration>,
     epoch: Instant,
 }
@@ -41,9 +46,11 @@ impl Rates {
             .map(|r| Gcra::new(r.limit, r.period, settings.burst))
             .collect();
         Rates {
-            tats: vec![Duration::ZERO; configured.len()],
+            tats: vec![Duration::ZERO; configured.len() + 1],
             in_force: configured.clone(),
             configured,
+            learned: None,
+            factor: 1.0,
             epoch,
         }
     }
@@ -54,15 +61,11 @@ impl Rates {
     /// rest of the hour).
     pub fn reconfigure(&mut self, settings: &GroupSettings, now: Instant) {
         let since = self.since_epoch(now);
-        let old = std::mem::take(&mut self.configured);
-        let tats = std::mem::take(&mut self.tats);
-        *self = Rates::new(settings, self.epoch);
-        for ((tat, new), (old, old_tat)) in self
-            .tats
-            .iter_mut()
-            .zip(&self.configured)
-            .zip(old.iter().zip(tats))
-        {
+        let mut next = Rates::new(settings, self.epoch);
+        for (i, new) in next.configured.iter().enumerate() {
+            let (Some(old), Some(old_tat)) = (self.configured.get(i), self.tats.get(i)) else {
+                continue;
+            };
             let debt = old_tat.saturating_sub(since);
             let requests = match old.interval.is_zero() {
                 true => 0.0,
@@ -71,13 +74,45 @@ impl Rates {
             // At most a year: config durations are bounded so, and `since` stays far
             // from overflowing.
             let owed = new.interval.as_secs_f64() * requests;
-            *tat = since + Duration::from_secs_f64(owed.min(366.0 * 86_400.0));
+            next.tats[i] = since + Duration::from_secs_f64(owed.min(366.0 * 86_400.0));
         }
+        // The learned rate, its TAT and the adaptive factor are the upstream's doing,
+        // not the file's: kept.
+        let learned_tat = self.tats.last().copied().unwrap_or_default();
+        if let Some(tat) = next.tats.last_mut() {
+            *tat = learned_tat;
+        }
+        next.learned = self.learned;
+        next.factor = self.factor;
+        next.update();
+        *self = next;
     }
 
     /// The rates in force become the configured ones times `factor` (0 < factor ≤ 1).
     pub fn set_factor(&mut self, factor: f64) {
+        self.factor = factor;
+        self.update();
+    }
+
+    /// The group also keeps to `per_second`, learned from the upstream (`None`: nothing
+    /// learned). It only matters where it is slower than the configured rates.
+    pub fn set_learned(&mut self, per_second: Option<f64>) {
+        self.learned = per_second
+            .filter(|r| r.is_finite() && *r > 0.0)
+            .map(|r| Gcra::new(1, Duration::from_secs_f64(1.0 / r.max(1e-6)), 1));
+        self.update();
+    }
+
+    fn update(&mut self) {
+        let factor = self.factor;
         self.in_force = self.configured.iter().map(|r| r.scaled(factor)).collect();
+        self.in_force.extend(self.learned);
+    }
+
+    /// The emission interval of the slowest rate in force: the group's pace, if it has
+    /// one.
+    pub fn pace(&self) -> Option<Duration> {
+        self.in_force.iter().map(|r| r.interval).max()
     }
 
     /// The rates in force, in GCRA form (what the Redis store books against).
@@ -85,9 +120,9 @@ impl Rates {
         &self.in_force
     }
 
-    /// The rates in force, in requests per second.
+    /// The configured rates in force, in requests per second.
     pub fn per_second(&self) -> Vec<f64> {
-        self.in_force
+        self.in_force[..self.configured.len()]
             .iter()
             .map(|r| 1.0 / r.interval.as_secs_f64())
             .collect()

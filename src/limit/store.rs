@@ -16,6 +16,9 @@ use super::redis::Redis;
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
 
+/// The share of a group's rates that replicas sharing a budget book.
+pub const SHARED_MARGIN: f64 = 0.98;
+
 /// A group's store.
 #[derive(Clone)]
 pub enum Store {
@@ -45,10 +48,27 @@ impl Store {
         }
     }
 
+    /// How many replicas share the budget (1 for the memory store).
+    pub fn replicas(&self) -> u32 {
+        match self {
+            Store::Redis(redis) => redis.replicas(),
+            Store::Memory => 1,
+        }
+    }
+
     /// The slot of a request of `cost` at the head of `group`'s queue, asked at `now`.
     pub async fn book(&self, group: &Group, cost: u32, now: Instant) -> Result<Slot, Refusal> {
         if let Store::Redis(redis) = self {
-            let rates = group.lock().rates.in_force().to_vec();
+            // Booked a little under the rates: replicas wake up and send with a jitter
+            // of their own, and a strict upstream refuses two requests closer than its
+            // interval, whichever replica sent them.
+            let rates: Vec<_> = group
+                .lock()
+                .rates
+                .in_force()
+                .iter()
+                .map(|r| r.scaled(SHARED_MARGIN))
+                .collect();
             // Boxed: the round trip's state is large, and inline it would size every
             // waiting request's future, with the memory store too.
             let booked = Box::pin(redis.reserve(&group.name, &rates, cost)).await;

@@ -1,0 +1,732 @@
+//! The budget a group learns from its upstream: what the upstream announces, what its
+//! refusals reveal, and a small AIMD step when it refuses a request that was paced.
+//!
+//! The learned rate joins the group's rates ([`super::rate::Rates::set_learned`]) like
+//! one more configured rate, so it only matters when it is the slowest: when the
+//! operator gave no rate, or a higher one than the upstream allows. Three sources, the
+//! best known wins:
+//!
+//! * **announced** — `RateLimit-Policy: "p";q=100;w=60` says the quota and window
+//!   outright; `X-RateLimit-Limit` (or `RateLimit-Limit`) gives the quota, and the
+//!   window is the longest time to `Reset` seen so far, rounded up to a whole second
+//!   (a window starts with a full time to reset, and windows are whole seconds);
+//! * **refusals** — an upstream that says nothing about its budget still shows it: the
+//!   requests it accepted in the last seconds ([`HORIZON`]), over the time since the
+//!   first of them (or the pause its refusal asks for, when longer: a burst answered
+//!   at once), is the rate it let through. When it did not even say how long to pause (a bare
+//!   `429`), that rate is only a floor, and it is probed upwards ("slow start":
+//!   × [`SLOW_START`] each half calm interval) until a paced request is refused;
+//! * a refusal of a request that was already **paced** means "slightly too fast"
+//!   (AIMD): the rate steps down to [`STEP_DOWN`] of the pace, at most once per two
+//!   intervals, and each calm second climbs half the way back (at least [`CLIMB`])
+//!   to a ceiling: the announced rate, else [`MARGIN`] under the pace refused.
+//!
+//! Every learned rate is spent at [`MARGIN`] of itself: a window that allows exactly
+//! `q` requests, paced at exactly `q / w` with a millisecond of jitter, would see
+//! `q + 1` now and then. The decisions are pure; the caller passes the time in.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// The share of a learned rate that is spent: enough room that jitter of a few
+/// milliseconds never puts one request too many in a window.
+pub const MARGIN: f64 = 0.98;
+/// A refusal of a paced request lowers the learned rate to this fraction of the pace.
+pub const STEP_DOWN: f64 = 0.95;
+/// The least a calm interval climbs back, as a fraction of the ceiling.
+pub const CLIMB: f64 = 0.01;
+/// A step down and a climb are this far apart at least; so are two step-downs (one
+/// overload answers several requests in flight at once).
+pub const CALM: Duration = Duration::from_secs(1);
+
+/// Where the learned rate comes from, as shown in `/status` and the metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    /// `RateLimit-Policy` (IETF): quota and window.
+    RatelimitPolicy,
+    /// `X-RateLimit-Limit` or `RateLimit-Limit` with the time to `Reset`.
+    LimitAndReset,
+    /// What the upstream accepted before it refused.
+    Refusals,
+}
+
+impl Source {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::RatelimitPolicy => "ratelimit-policy",
+            Source::LimitAndReset => "limit-and-reset",
+            Source::Refusals => "refusals",
+        }
+    }
+}
+
+/// A budget an upstream announced on one response.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Announced {
+    /// Requests per window.
+    pub quota: u64,
+    /// The window, when the upstream says it (`w`).
+    pub window: Option<Duration>,
+    /// The time until the window resets, when it says that instead.
+    pub reset: Option<Duration>,
+    /// Which headers said it.
+    pub source: Source,
+}
+
+/// What a group has learned about its upstream's budget.
+#[derive(Debug, Clone)]
+pub struct Learner {
+    /// The learned rate before margin and steps, per second, and where it comes from.
+    base: Option<(f64, Source)>,
+    /// The longest time to reset seen with a quota but no window.
+    window: Duration,
+    /// The last budget announced: quota per window.
+    budget: Option<(u64, Duration)>,
+    /// The fraction of `base` in force: below 1 after step-downs; above 1 while a rate
+    /// learned from bare refusals is still being probed upwards (`slow_start`).
+    factor: f64,
+    /// The base is only a floor (the upstream said nothing, and let through what it
+    /// was offered): the rate climbs fast until the first refusal of a paced request.
+    slow_start: bool,
+    changed: Instant,
+    stepped_at: Option<Instant>,
+    /// Since when the learned rate has been in force: a refusal of a request sent
+    /// before says nothing about it (the burst that taught it, typically).
+    since: Option<Instant>,
+    /// How many replicas share the upstream's budget: this one sees that fraction of
+    /// the traffic, and what the upstream let through is this many times its sample.
+    replicas: u32,
+    /// When the upstream accepted the last requests, within [`HORIZON`] (at most
+    /// [`SAMPLE`] of them).
+    accepted: VecDeque<Instant>,
+    /// When it refused the last ones, alike.
+    refusals: VecDeque<Instant>,
+    /// Accepted answers since the last refusal episode ended, and the first of them.
+    since_episode: (u32, Option<Instant>),
+    /// The refusal episode in force: until its pause ends, and whether its sample set
+    /// the learned rate (then later refusals of the same episode refine it).
+    episode: Option<(Instant, bool)>,
+}
+
+/// How far back the accepted answers count for what the upstream lets through.
+pub const HORIZON: Duration = Duration::from_secs(5);
+/// The most accepted answers kept for that (at high rates the horizon is shorter).
+const SAMPLE: usize = 256;
+/// A paced group learns what its upstream let through only when it refused at least
+/// this many requests within [`HORIZON`], and at least [`REFUSED_SHARE`] of those it
+/// answered there: else the refusals are too few for the answers to show the upstream's
+/// limit rather than the group's own demand, and the rate only steps down.
+const MIN_PACED_REFUSALS: usize = 2;
+/// See [`MIN_PACED_REFUSALS`].
+const REFUSED_SHARE: f64 = 0.2;
+/// While probing upwards (`slow_start`), each half calm interval multiplies the rate
+/// by this.
+pub const SLOW_START: f64 = 1.5;
+
+impl Learner {
+    /// Nothing learned yet, as of `now`.
+    pub fn new(now: Instant) -> Learner {
+        Learner {
+            base: None,
+            window: Duration::ZERO,
+            budget: None,
+            factor: 1.0,
+            slow_start: false,
+            changed: now,
+            stepped_at: None,
+            since: None,
+            replicas: 1,
+            accepted: VecDeque::new(),
+            refusals: VecDeque::new(),
+            since_episode: (0, None),
+            episode: None,
+        }
+    }
+
+    /// The rate to pace at, per second, and its source; `None` until something is
+    /// learned.
+    pub fn rate(&self) -> Option<(f64, Source)> {
+        self.base
+            .map(|(rate, source)| (rate * self.factor * MARGIN, source))
+    }
+
+    /// The rate the upstream announced (quota / window), if it did.
+    pub fn announced_rate(&self) -> Option<f64> {
+        self.base
+            .filter(|(_, source)| *source != Source::Refusals)
+            .map(|(rate, _)| rate)
+    }
+
+    /// The budget the upstream announced last: its quota per window.
+    pub fn announced_budget(&self) -> Option<(u64, Duration)> {
+        self.budget
+    }
+
+    /// How many requests the upstream accepted from the group within the last
+    /// `window`; 0 when the window is longer than the answers kept reach back. One of
+    /// several replicas sees its share of each window, unevenly: it counts its answers
+    /// over all it keeps ([`HORIZON`]) and scales them to one window of all replicas.
+    pub fn accepted_within(&self, now: Instant, window: Duration) -> u64 {
+        if window > HORIZON {
+            return 0;
+        }
+        let over = if self.replicas > 1 { HORIZON } else { window };
+        let ours = self.accepted.iter().filter(|at| now - **at < over).count() as f64;
+        let scale = f64::from(self.replicas) * window.as_secs_f64() / over.as_secs_f64();
+        (ours * scale).round() as u64
+    }
+
+    /// A response announced a budget. Returns whether the learned rate moved.
+    pub fn announced(&mut self, budget: Announced, now: Instant) -> bool {
+        let window = match (budget.window, budget.reset) {
+            (Some(w), _) if !w.is_zero() => w,
+            (_, Some(reset)) => {
+                let whole =
+                    Duration::from_secs(reset.as_secs() + u64::from(reset.subsec_nanos() > 0));
+                self.window = self.window.max(whole);
+                self.window
+            }
+            _ => return false,
+        };
+        if window.is_zero() || budget.quota == 0 {
+            return false;
+        }
+        let rate = budget.quota as f64 / window.as_secs_f64();
+        self.budget = Some((budget.quota, window));
+        // An announced budget outranks one guessed from refusals, and is replaced by a
+        // newer announcement (the upstream may change its plan); step-downs stay.
+        let moved = self.base != Some((rate, budget.source));
+        if moved {
+            if self.base.is_none_or(|(_, s)| s == Source::Refusals) {
+                self.factor = 1.0;
+            }
+            self.base = Some((rate, budget.source));
+            self.slow_start = false;
+            self.since.get_or_insert(now);
+        }
+        moved
+    }
+
+    /// The upstream answered normally at `now`.
+    pub fn accepted(&mut self, now: Instant) {
+        keep(&mut self.accepted, now);
+        // Answers after an episode's pause belong to the next window's sample; those
+        // before it (in flight when the refusal came) to this one.
+        if self.episode.is_some_and(|(end, _)| now >= end) {
+            self.since_episode = (0, None);
+        }
+        let (n, first) = &mut self.since_episode;
+        *n += 1;
+        first.get_or_insert(now);
+    }
+
+    /// What a limiter that said when to come back let through since its last refusal:
+    /// the answers accepted since then, over the time since the first of them or the
+    /// pause it asks for, whichever is longer (it refills within that pause).
+    fn window_seen(&self, now: Instant, pause: Duration) -> Option<f64> {
+        let (n, first) = self.since_episode;
+        let span = (now - first?).max(pause).as_secs_f64();
+        (n >= 2 && span > 0.0).then(|| f64::from(n) * f64::from(self.replicas) / span)
+    }
+
+    /// What the upstream let through: the requests it accepted within [`HORIZON`], over
+    /// the time since the first of them, or over `pause` when that is longer (a burst
+    /// answered at once); with their count.
+    fn seen(&mut self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
+        for times in [&mut self.accepted, &mut self.refusals] {
+            while times.front().is_some_and(|at| now - *at > HORIZON) {
+                times.pop_front();
+            }
+        }
+        let first = *self.accepted.front()?;
+        let n = self.accepted.len() as u32;
+        let span = (now - first).max(pause).as_secs_f64();
+        let rate = f64::from(n) * f64::from(self.replicas) / span;
+        (span > 0.0).then_some((rate, n))
+    }
+
+    /// `replicas` share the upstream's budget (1 unless the store is shared). Probing
+    /// upwards is off when they are several: the other replicas' refusals are not
+    /// seen here, and one replica would probe on alone.
+    pub fn set_replicas(&mut self, replicas: u32) {
+        self.replicas = replicas.max(1);
+        if self.replicas > 1 {
+            self.slow_start = false;
+        }
+    }
+
+    /// The upstream refused a request sent at `sent` at `now` and asks for `pause`;
+    /// `said`: it said how long (else `pause` is a guess); `pace` is the rate the
+    /// group was held to (per second), if any. Returns whether the learned rate moved.
+    ///
+    /// One overload answers a burst with a refusal each, and the accepted answers of
+    /// that burst may come after the first refusal: the refusals until the pause ends
+    /// are one episode, and its sample is read again at each, so the estimate does not
+    /// depend on the order of the answers.
+    pub fn refused(
+        &mut self,
+        now: Instant,
+        sent: Instant,
+        pause: Duration,
+        said: bool,
+        pace: Option<f64>,
+    ) -> bool {
+        let before = self.rate();
+        // Sent before the learned rate held: not paced by it.
+        let pace = pace.filter(|_| self.since.is_none_or(|since| sent >= since));
+        if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
+            let end = end.max(now + pause);
+            if let (true, Some((seen, _))) = (refine, self.seen(now, end - now)) {
+                self.learn(seen, now);
+            }
+            self.episode = Some((end, refine));
+            return self.rate() != before;
+        }
+        let announced = self.announced_rate().is_some();
+        let seen = self.seen(now, pause);
+        keep(&mut self.refusals, now);
+        let (refused, accepted) = (self.refusals.len(), self.accepted.len());
+        let refine = match pace {
+            // Unpaced: whatever it let through is the first estimate.
+            None => {
+                // Nothing accepted yet and nothing said: one request per guessed pause
+                // (per replica) is the floor, and the group is paced from now on.
+                let floor = || {
+                    let per_pause = f64::from(self.replicas) / pause.as_secs_f64().max(1e-3);
+                    (!said).then_some(per_pause)
+                };
+                if let (false, Some(seen)) = (announced, seen.map(|(s, _)| s).or_else(floor)) {
+                    self.learn(seen, now);
+                }
+                // Refusals of an unpaced burst say nothing of a pace to come.
+                self.refusals.clear();
+                // Learned now or later in the episode, a rate guessed from refusals
+                // that said nothing is only a floor.
+                self.slow_start = !announced && !said && self.replicas == 1;
+                !announced
+            }
+            // Paced, and it let through clearly less than the pace: that is its rate
+            // (unless probing upwards, when the sample is of slower paces). A limiter
+            // that said when to come back shows it in the answers since its last
+            // refusal; a bare one in the last seconds' answers, once its refusals
+            // are a fair share of them (not read by one of several replicas, whose
+            // refusals mix with the others' pace: it steps down instead).
+            Some(pace) if !announced && !self.slow_start => {
+                let bare_share = refused >= MIN_PACED_REFUSALS
+                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
+                    && self.replicas == 1;
+                let let_through = match said {
+                    true => self.window_seen(now, pause),
+                    false => seen.filter(|_| bare_share).map(|(s, _)| s),
+                };
+                match let_through.filter(|s| *s < pace * STEP_DOWN) {
+                    Some(seen) => self.learn(seen, now),
+                    None => self.step_down(now, pace),
+                }
+                false
+            }
+            // Paced at about what it lets through: "slightly too fast".
+            Some(pace) => {
+                self.step_down(now, pace);
+                false
+            }
+        };
+        self.episode = Some((now + pause, refine));
+        self.rate() != before
+    }
+
+    fn learn(&mut self, seen: f64, now: Instant) {
+        self.since.get_or_insert(now);
+        self.base = Some((seen, Source::Refusals));
+        self.factor = 1.0;
+        self.changed = now;
+        self.stepped_at = Some(now);
+    }
+
+    /// Lowers the rate in force to [`STEP_DOWN`] of `pace`, at most once per two of
+    /// its intervals (or per [`CALM`] when that is shorter): the requests in flight
+    /// when it stepped were sent at the old pace, and their refusals say nothing new.
+    fn step_down(&mut self, now: Instant, pace: f64) {
+        let episode = CALM.min(Duration::from_secs_f64(2.0 / pace.max(1e-6)));
+        if self.stepped_at.is_some_and(|at| now - at < episode) {
+            return;
+        }
+        self.stepped_at = Some(now);
+        self.changed = now;
+        match self.base {
+            // Below what the upstream announced, which stays the ceiling.
+            Some((base, source)) if source != Source::Refusals && base > 0.0 => {
+                let target = pace * STEP_DOWN / (base * MARGIN);
+                self.factor = target.min(self.factor * STEP_DOWN).max(0.01);
+            }
+            // Probing upwards, it went too far in the last step: back to halfway
+            // between that step's start and the pace refused. The answers so far were
+            // at slower paces, and the refusals of the first burst: a fresh sample.
+            _ if self.slow_start => {
+                let halfway = (pace / SLOW_START + pace) / 2.0;
+                self.base = Some((halfway / MARGIN, Source::Refusals));
+                self.factor = 1.0;
+                self.accepted.clear();
+                self.refusals.clear();
+            }
+            // Below the pace refused; the margin under it is the ceiling to climb
+            // back to.
+            _ => {
+                self.base = Some((pace, Source::Refusals));
+                self.factor = STEP_DOWN / MARGIN;
+            }
+        }
+        self.slow_start = false;
+    }
+
+    /// A request departs at `now`: after a calm interval the rate climbs one step
+    /// (fast while probing upwards). Returns whether the learned rate moved.
+    pub fn departed(&mut self, now: Instant) -> bool {
+        if self.base.is_none() {
+            return false;
+        }
+        if self.slow_start && now - self.changed >= CALM / 2 {
+            self.factor *= SLOW_START;
+        } else if !self.slow_start && self.factor < 1.0 && now - self.changed >= CALM {
+            // Half the way back to the ceiling each calm interval, at least a step.
+            self.factor = (self.factor + ((1.0 - self.factor) / 2.0).max(CLIMB)).min(1.0);
+        } else {
+            return false;
+        }
+        self.changed = now;
+        true
+    }
+}
+
+/// A spent budget is the group's own when it sent at least this share of the quota in
+/// the window: the rest may be late answers, or rounding of one replica's share.
+pub const OURS_SHARE: f64 = 0.8;
+
+/// Records `now` in a sample of at most [`SAMPLE`] times.
+fn keep(times: &mut VecDeque<Instant>, now: Instant) {
+    if times.len() >= SAMPLE {
+        times.pop_front();
+    }
+    times.push_back(now);
+}
+
+/// Whether a spent budget (`Remaining: 0`) should pause a group whose slowest rate
+/// paces it one request per `pace`, under an `announced` budget of `quota` requests per
+/// `window`, when the group itself sent `ours` of them within the last `window` (its
+/// replicas counted; at least [`OURS_SHARE`] of the quota makes it the group's own).
+///
+/// The group's own last request of a window sees `Remaining: 0`. When the group's pace
+/// keeps it inside the announced budget, its next request falls in the next window
+/// anyway, and a pause until a reset read a little late (a reset in whole seconds is
+/// rounded up) would only stall it past the window it is entitled to: it does not
+/// pause. A budget spent by others (fewer than `quota` of ours in the window), or one
+/// that nothing says the pace fits, pauses.
+pub fn spent_budget_pauses(
+    pace: Option<Duration>,
+    announced: Option<(u64, Duration)>,
+    ours: u64,
+) -> bool {
+    match (pace, announced) {
+        (Some(pace), Some((quota, window))) => {
+            let fits = pace.as_secs_f64() * quota as f64 >= window.as_secs_f64() * (1.0 - 1e-9);
+            !(fits && ours as f64 >= OURS_SHARE * quota as f64)
+        }
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+    const S: Duration = Duration::from_secs(1);
+
+    fn x(quota: u64, reset_ms: u64) -> Announced {
+        Announced {
+            quota,
+            window: None,
+            reset: Some(MS * reset_ms as u32),
+            source: Source::LimitAndReset,
+        }
+    }
+
+    fn rate(l: &Learner) -> Option<f64> {
+        l.rate().map(|(r, _)| (r * 1000.0).round() / 1000.0)
+    }
+
+    #[test]
+    fn a_spent_budget_pauses_unless_the_pace_already_keeps_to_it() {
+        let ms = |n| Some(MS * n);
+        let five = Some((5, S));
+        // (the group's pace, the announced budget, ours in its window, pauses)
+        let cases = [
+            (ms(200), five, 5, false),
+            (ms(204), five, 6, false),
+            (ms(204), five, 4, false),
+            // Others spent it too: only 3 of the 5 are ours.
+            (ms(200), five, 3, true),
+            // Faster than announced: the pace does not keep to it.
+            (ms(125), five, 8, true),
+            (ms(200), None, 5, true),
+            (None, five, 5, true),
+            (None, None, 0, true),
+        ];
+        for (pace, announced, ours, want) in cases {
+            assert_eq!(
+                spent_budget_pauses(pace, announced, ours),
+                want,
+                "{pace:?} {announced:?} {ours}"
+            );
+        }
+    }
+
+    #[test]
+    fn answers_within_a_window_count_with_the_replicas() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        for i in 0..10 {
+            l.accepted(t0 + MS * (200 * i));
+        }
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S), 5);
+        // One of three replicas: its 10 answers of the last 5 s are 6 a window in all.
+        l.set_replicas(3);
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S), 6);
+        // A window longer than what is kept: nothing can be said.
+        assert_eq!(l.accepted_within(t0 + MS * 1800, S * 60), 0);
+    }
+
+    #[test]
+    fn the_accepted_answers_of_a_burst_count_whatever_their_order() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // 30 sent at once: one refusal comes back first, then the five accepted, then
+        // the other refusals. The sample is read again within the episode.
+        l.refused(t0 + MS, t0 + MS, S, true, None);
+        assert_eq!(l.rate(), None);
+        for _ in 0..5 {
+            l.accepted(t0 + MS * 2);
+        }
+        for _ in 0..24 {
+            l.refused(t0 + MS * 3, t0 + MS * 3, S, true, None);
+        }
+        assert_eq!(rate(&l), Some(4.9));
+        // Answers older than the horizon are forgotten.
+        l.accepted(t0 + S * 6);
+        assert_eq!(l.seen(t0 + S * 6, S), Some((1.0, 1)));
+    }
+
+    #[test]
+    fn announced_budgets() {
+        // (announcements in order, the rate in force after them)
+        let policy = |q, w| Announced {
+            quota: q,
+            window: Some(S * w),
+            reset: None,
+            source: Source::RatelimitPolicy,
+        };
+        let cases: &[(&[Announced], Option<f64>)] = &[
+            (&[], None),
+            (&[policy(100, 60)], Some(100.0 / 60.0 * MARGIN)),
+            // A Unix reset 0.3 s away: a window of one whole second.
+            (&[x(5, 300)], Some(5.0 * MARGIN)),
+            // The longest time to reset seen is the window.
+            (&[x(60, 20_000), x(60, 59_100), x(60, 3_000)], Some(MARGIN)),
+            (&[x(0, 1000)], None),
+            (
+                &[Announced {
+                    reset: None,
+                    ..x(5, 0)
+                }],
+                None,
+            ),
+        ];
+        for (seen, want) in cases {
+            let mut l = Learner::new(Instant::now());
+            for a in *seen {
+                l.announced(*a, Instant::now());
+            }
+            assert_eq!(
+                rate(&l),
+                want.map(|w| (w * 1000.0).round() / 1000.0),
+                "{seen:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn refusals_reveal_what_the_upstream_let_through() {
+        let t0 = Instant::now();
+        // 5 accepted at once, then 25 refused with Retry-After: 1 — 5 per second.
+        let mut l = Learner::new(t0);
+        for _ in 0..5 {
+            l.accepted(t0);
+        }
+        assert!(l.refused(t0 + MS, t0 + MS, S, true, None));
+        assert_eq!(l.rate().unwrap().1, Source::Refusals);
+        assert_eq!(rate(&l), Some(4.9));
+        // The other refusals of that burst come with no new acceptance: about the same.
+        l.refused(t0 + MS * 2, t0 + MS * 2, S, true, None);
+        assert_eq!(rate(&l), Some(4.9));
+        // Nothing accepted yet: nothing learned from a refusal that said when to come
+        // back; a bare one paces at one request per guessed pause.
+        let mut l = Learner::new(t0);
+        assert!(!l.refused(t0, t0, S, true, None));
+        assert_eq!(l.rate(), None);
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 500, false, None));
+        assert_eq!(rate(&l), Some(1.96));
+    }
+
+    #[test]
+    fn a_rate_learned_from_bare_refusals_climbs_fast_until_a_paced_refusal() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // One accepted, the rest refused with nothing said, and a guessed 750 ms pause.
+        l.accepted(t0);
+        assert!(l.refused(t0, t0, MS * 750, false, None));
+        assert_eq!(rate(&l), Some(1.307));
+        // Each calm half second multiplies it by 1.5: the upstream may allow much more.
+        assert!(!l.departed(t0 + MS * 400));
+        for half in 1..=4 {
+            assert!(l.departed(t0 + MS * (500 * half)));
+        }
+        assert_eq!(rate(&l), Some(6.615));
+        // A paced request refused: halfway back between 4.41 and 6.615, and no more
+        // probing upwards.
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 66, false, Some(6.615)));
+        assert_eq!(rate(&l), Some(5.513));
+        assert!(!l.departed(t0 + S * 3));
+        // Accepted at about that pace meanwhile: few refusals among many answers.
+        for i in 0..20 {
+            l.accepted(t0 + S * 2 + MS * (50 * i));
+        }
+        // Refused again: 5 % under that pace, then half the way back each calm second
+        // to 2 % under the pace refused.
+        assert!(l.refused(t0 + S * 3, t0 + S * 3, MS * 18, false, Some(5.513)));
+        assert_eq!(rate(&l), Some(5.237));
+        let climbed: Vec<_> = (4..=7)
+            .map(|s| {
+                l.departed(t0 + S * s);
+                rate(&l).unwrap()
+            })
+            .collect();
+        assert_eq!(climbed, [5.32, 5.374, 5.403, 5.403]);
+    }
+
+    #[test]
+    fn a_paced_refusal_steps_down_once_per_episode_and_climbs_back_when_calm() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // Paced at 10/s by the operator, accepted at that pace for 10 s: the pace was
+        // not too far off, so only a step.
+        for i in 0..100 {
+            l.accepted(t0 + MS * (100 * i));
+        }
+        assert!(l.refused(t0 + S * 10, t0 + S * 10, Duration::ZERO, false, Some(10.0)));
+        assert_eq!(rate(&l), Some(9.5));
+        for i in 1..=4 {
+            l.accepted(t0 + S * 10 + MS * (100 * i));
+        }
+        // Within two intervals of the step: the same episode.
+        assert!(!l.refused(
+            t0 + S * 10 + MS * 100,
+            t0 + S * 10 + MS * 100,
+            Duration::ZERO,
+            false,
+            Some(9.5)
+        ));
+        assert!(l.refused(
+            t0 + S * 10 + MS * 500,
+            t0 + S * 10 + MS * 500,
+            Duration::ZERO,
+            false,
+            Some(9.5)
+        ));
+        assert_eq!(rate(&l), Some(9.025));
+        // Calm seconds climb back to 2 % under the last pace refused.
+        for s in 11..=40 {
+            l.departed(t0 + S * s);
+        }
+        assert_eq!(rate(&l), Some(9.31));
+    }
+
+    #[test]
+    fn a_shared_budget_counts_what_the_other_replicas_sent_and_does_not_probe() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        l.accepted(t0);
+        assert!(l.refused(t0, t0, MS * 750, false, None));
+        // One accepted here, about three in all.
+        assert_eq!(rate(&l), Some(3.92));
+        assert!(!l.departed(t0 + S * 5));
+    }
+
+    #[test]
+    fn a_paced_refusal_learns_what_the_upstream_let_through_when_far_below_the_pace() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // Told 8/s; a strict 5/s upstream accepts every other request for 2 s. The first
+        // refusal only steps down; once refusals are a good share of the answers, what
+        // it let through is the rate.
+        for k in 0..16u32 {
+            let at = t0 + MS * (125 * k);
+            match k % 2 {
+                0 => l.accepted(at),
+                _ => {
+                    let pace = l.rate().map_or(8.0, |(r, _)| r);
+                    l.refused(at, at, MS * 12, false, Some(pace));
+                }
+            }
+        }
+        let (r, source) = l.rate().unwrap();
+        assert_eq!(source, Source::Refusals);
+        assert!((3.9..=5.3).contains(&r), "{r}");
+    }
+
+    #[test]
+    fn a_window_that_said_when_to_come_back_is_read_since_its_last_refusal() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // Told 8/s; a 5-per-second window accepts five, then refuses with
+        // Retry-After: 1.
+        for k in 0..5 {
+            l.accepted(t0 + MS * (125 * k));
+        }
+        let at = t0 + MS * 625;
+        assert!(l.refused(at, at, S, true, Some(8.0)));
+        assert_eq!(rate(&l), Some(4.9));
+        // The next window's answers start a new sample.
+        l.accepted(t0 + MS * 1700);
+        assert_eq!(l.since_episode.0, 1);
+    }
+
+    #[test]
+    fn a_refusal_of_a_request_sent_before_the_rate_was_learned_changes_nothing() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // The burst left at t0; the first answer taught 5/s; its refusals follow.
+        l.announced(x(5, 1000), t0 + MS * 5);
+        l.accepted(t0 + MS * 5);
+        assert!(!l.refused(t0 + MS * 6, t0, S, true, Some(4.9)));
+        assert_eq!(rate(&l), Some(4.9));
+    }
+
+    #[test]
+    fn an_announced_budget_is_not_replaced_by_refusals_but_steps_down() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.announced(x(5, 1000), t0);
+        for _ in 0..3 {
+            l.accepted(t0);
+        }
+        l.refused(t0, t0, S, true, Some(4.9));
+        let (r, source) = l.rate().unwrap();
+        assert_eq!(source, Source::LimitAndReset);
+        assert!((r - 4.9 * STEP_DOWN).abs() < 1e-9, "{r}");
+    }
+}

@@ -1,0 +1,264 @@
+//! tollgate against upstreams that limit like the common limiter families (the same
+//! decisions as `scripts/limiter-upstream.py`, here in-process): what it learns from
+//! each, and what the upstream saw. Every client must end with 200; the assertions are
+//! counts at the upstream (refusals, accepted per window) and the pace of its
+//! arrivals, never wall-clock durations of the run.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::*;
+
+/// Requests per second every test upstream allows.
+const LIMIT: u32 = 10;
+/// Requests per test, all sent at once by as many clients.
+const REQUESTS: usize = 30;
+
+/// A limiter family's state and its decision for one request.
+enum Family {
+    /// Fixed windows on the Unix second, `X-RateLimit-*` with a Unix `Reset`,
+    /// `Retry-After: 1` on refusal.
+    Fixed { window: u64, count: u32 },
+    /// A sliding 1 s window over the accepted requests; `Retry-After: 1` on refusal.
+    Sliding { accepted: Vec<Instant> },
+    /// IETF `RateLimit-Policy` / `RateLimit` on every answer, fixed windows, a refusal
+    /// without `Retry-After`.
+    Ietf { window: u64, count: u32 },
+    /// A bare 429 to a request less than 1 / LIMIT after the last accepted one.
+    Strict { last: Option<Instant> },
+}
+
+impl Family {
+    fn decide(&mut self) -> Reply {
+        let unix = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let now = Instant::now();
+        match self {
+            Family::Fixed { window, count } | Family::Ietf { window, count } => {
+                if unix.as_secs() != *window {
+                    (*window, *count) = (unix.as_secs(), 0);
+                }
+                let ok = *count < LIMIT;
+                *count += u32::from(ok);
+                let remaining = (LIMIT - *count).to_string();
+                let reply = if ok {
+                    Reply::ok("ok")
+                } else {
+                    Reply::status(429)
+                };
+                if matches!(self, Family::Fixed { .. }) {
+                    let reply = reply
+                        .header("x-ratelimit-limit", &LIMIT.to_string())
+                        .header("x-ratelimit-remaining", &remaining)
+                        .header("x-ratelimit-reset", &(unix.as_secs() + 1).to_string());
+                    return if ok {
+                        reply
+                    } else {
+                        reply.header("retry-after", "1")
+                    };
+                }
+                reply
+                    .header("ratelimit-policy", &format!("\"default\";q={LIMIT};w=1"))
+                    .header("ratelimit", &format!("\"default\";r={remaining};t=1"))
+            }
+            Family::Sliding { accepted } => {
+                accepted.retain(|at| now - *at < Duration::from_secs(1));
+                if accepted.len() < LIMIT as usize {
+                    accepted.push(now);
+                    Reply::ok("ok")
+                } else {
+                    Reply::status(429).header("retry-after", "1")
+                }
+            }
+            Family::Strict { last } => {
+                let interval = Duration::from_secs(1) / LIMIT;
+                if last.is_none_or(|last| now - last >= interval) {
+                    *last = Some(now);
+                    Reply::ok("ok")
+                } else {
+                    Reply::status(429)
+                }
+            }
+        }
+    }
+}
+
+/// An upstream limiting like `family`; its record says which requests it accepted.
+async fn limited(family: Family) -> (Upstream, Arc<Mutex<Vec<(Instant, u16)>>>) {
+    let family = Mutex::new(family);
+    let record = Arc::new(Mutex::new(Vec::new()));
+    let seen = record.clone();
+    let upstream = Upstream::start(move |_| {
+        let reply = family.lock().unwrap().decide();
+        seen.lock().unwrap().push((Instant::now(), reply.status));
+        reply
+    })
+    .await;
+    (upstream, record)
+}
+
+fn config(told: Option<&str>) -> String {
+    let rate = told.map_or(String::new(), |r| format!("rate = \"{r}\""));
+    format!(
+        r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        max_wait = "90s"
+        {rate}
+        "#
+    )
+}
+
+/// Sends [`REQUESTS`] at once; checks every client got 200; returns the upstream's
+/// record (arrival, status) in arrival order.
+async fn run(
+    proxy: &Proxy,
+    upstream: &Upstream,
+    record: &Mutex<Vec<(Instant, u16)>>,
+) -> Vec<(Instant, u16)> {
+    let urls = (0..REQUESTS).map(|i| upstream.url(&format!("/{i}")));
+    let statuses = get_all_at_once(proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let record = record.lock().unwrap().clone();
+    assert_eq!(record.iter().filter(|(_, s)| *s == 200).count(), REQUESTS);
+    record
+}
+
+fn refusals(record: &[(Instant, u16)]) -> usize {
+    record.iter().filter(|(_, s)| *s == 429).count()
+}
+
+/// The median gap between the upstream's arrivals after the first refusal's pause.
+fn median_gap_after_first_refusal(record: &[(Instant, u16)]) -> Duration {
+    let first = record
+        .iter()
+        .position(|(_, s)| *s == 429)
+        .expect("a refusal");
+    let after: Vec<Instant> = record[first..]
+        .iter()
+        .map(|(at, _)| *at)
+        .skip_while(|at| *at - record[first].0 < Duration::from_millis(500))
+        .collect();
+    let mut gaps: Vec<Duration> = after.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort();
+    gaps[gaps.len() / 2]
+}
+
+async fn status_of(proxy: &Proxy) -> serde_json::Value {
+    let status: serde_json::Value =
+        serde_json::from_str(&admin_get(proxy, "/status").await).unwrap();
+    status["groups"][0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn told_nothing_a_fixed_window_teaches_its_rate_and_the_replays_keep_to_it() {
+    let (upstream, record) = limited(Family::Fixed {
+        window: 0,
+        count: 0,
+    })
+    .await;
+    let proxy = start_proxy_with_admin(&config(None)).await;
+    let record = run(&proxy, &upstream, &record).await;
+    // Only the first burst, before anything was learned, can be refused.
+    assert!(
+        refusals(&record) <= REQUESTS - LIMIT as usize,
+        "{}",
+        refusals(&record)
+    );
+    let group = status_of(&proxy).await;
+    assert_eq!(group["learned_from"], "limit-and-reset");
+    let rate = group["learned_rate_per_second"].as_f64().unwrap();
+    assert!((rate - 9.8).abs() < 1e-6, "{rate}");
+    let metrics = admin_get(&proxy, "/metrics").await;
+    let line = r#"tollgate_learned_rate{group="api",source="limit-and-reset"} 9.8"#;
+    assert!(metrics.contains(line), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn told_nothing_a_sliding_window_is_learned_from_its_refusals_without_a_stampede() {
+    let (upstream, record) = limited(Family::Sliding { accepted: vec![] }).await;
+    let proxy = start_proxy_with_admin(&config(None)).await;
+    let record = run(&proxy, &upstream, &record).await;
+    // The first burst is refused once; the replays leave one by one at the learned
+    // pace (≈ 102 ms), not all at once to be refused again.
+    assert!(
+        refusals(&record) <= REQUESTS - LIMIT as usize + 2,
+        "{}",
+        refusals(&record)
+    );
+    let gap = median_gap_after_first_refusal(&record);
+    assert!(gap >= Duration::from_millis(90), "{gap:?}");
+    let group = status_of(&proxy).await;
+    assert_eq!(group["learned_from"], "refusals");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn told_a_rate_too_high_the_ietf_policy_wins_before_any_refusal() {
+    let (upstream, record) = limited(Family::Ietf {
+        window: 0,
+        count: 0,
+    })
+    .await;
+    let proxy = start_proxy_with_admin(&config(Some("16/s"))).await;
+    let record = run(&proxy, &upstream, &record).await;
+    // The first answer teaches 10/s; a request that left at 16/s before it is the most
+    // that can be refused.
+    assert!(refusals(&record) <= 1, "{}", refusals(&record));
+    let group = status_of(&proxy).await;
+    assert_eq!(group["learned_from"], "ratelimit-policy");
+    // Remaining: 0 at the end of each window did not stall the group: no gap of a
+    // second between two arrivals.
+    let stalls = record
+        .windows(2)
+        .filter(|w| w[1].0 - w[0].0 >= Duration::from_millis(900))
+        .count();
+    assert_eq!(stalls, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_429_from_a_paced_group_is_retried_at_the_next_slot() {
+    let (upstream, record) = limited(Family::Strict { last: None }).await;
+    let proxy = start_proxy_with_admin(&config(Some("10/s"))).await;
+    let record = run(&proxy, &upstream, &record).await;
+    assert!(refusals(&record) <= 3, "{}", refusals(&record));
+    // A refusal is followed by the next slot, not by a second of backoff: no two
+    // arrivals a second apart.
+    let longest = record.windows(2).map(|w| w[1].0 - w[0].0).max().unwrap();
+    assert!(longest < Duration::from_millis(500), "{longest:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_longer_than_max_wait_is_answered_at_once() {
+    let upstream = Upstream::start(|seen| {
+        if seen.path == "/first" {
+            Reply::status(429).header("retry-after", "100")
+        } else {
+            Reply::ok("ok")
+        }
+    })
+    .await;
+    let proxy = start_proxy(&config(None).replace("\"90s\"", "\"5s\"")).await;
+    let client = reqwest_via(&proxy, None);
+    // Refused for 100 s: more than its max_wait, so the 429 goes to the client.
+    let first = client.get(upstream.url("/first")).send().await.unwrap();
+    assert_eq!(first.status(), 429);
+    // The next request would wait out the pause: a 503 at once, which says when.
+    let asked = Instant::now();
+    let next = client.get(upstream.url("/next")).send().await.unwrap();
+    let answered = asked.elapsed();
+    assert_eq!(next.status(), 503);
+    let after: u64 = next.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((95..=100).contains(&after), "{after}");
+    let status = next.headers()["proxy-status"].to_str().unwrap().to_string();
+    assert!(status.contains("http_request_denied"), "{status}");
+    assert!(next.text().await.unwrap().contains("max_wait"));
+    // Not held until max_wait (5 s) ran out.
+    assert!(answered < Duration::from_millis(2500), "{answered:?}");
+    assert_eq!(upstream.paths(), ["/first"]);
+}
