@@ -449,8 +449,10 @@ async fn a_body_beyond_replay_memory_streams_once_and_is_not_replayed() {
 async fn a_half_closed_client_is_treated_as_gone_and_counted_cancelled() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = Upstream::start(|_| Reply::ok("served")).await;
+    // max_wait long enough for all of them: none is refused at once as hopeless, so
+    // each either leaves or is cancelled.
     let proxy = start_proxy_with_admin(
-        "[[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\n",
+        "[[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\nmax_wait = \"10m\"\n",
     )
     .await;
     take_the_slot(&proxy, &upstream).await;

@@ -20,7 +20,7 @@ fn one_per_minute(grace: &str, upstream: &Upstream) -> String {
     format!(
         "[proxy]\nshutdown_grace = \"{grace}\"\n\
          [[route]]\nprefix = \"/r/\"\nupstream = \"{}\"\n\
-         [[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\n",
+         [[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\nmax_wait = \"1h\"\n",
         upstream.url("/")
     )
 }
@@ -181,7 +181,7 @@ async fn binary_answers_every_queued_client_on_sigterm_and_exits_0_soon_after_th
             "[proxy]\nlisten = \"{listen}\"\nshutdown_grace = \"1s\"\n\
              [admin]\nlisten = \"{admin}\"\n\
              [[route]]\nprefix = \"/r/\"\nupstream = \"{}\"\n\
-             [[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\n{ALLOW_LOOPBACK}",
+             [[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\nmax_wait = \"1h\"\n{ALLOW_LOOPBACK}",
             upstream.url("/")
         ),
     );

@@ -177,6 +177,7 @@ impl RawIntercept {
             CaError::Key(message) => (self.ca_key.span(), format!("ca_key: {message}")),
             e => (self.ca_cert.span(), format!("ca_cert: {e}")),
         })?;
+        let web_ports_only = self.hosts.is_none();
         let hosts = self
             .hosts
             .unwrap_or_else(|| limits.iter().flat_map(|l| l.hosts.clone()).collect());
@@ -190,6 +191,7 @@ impl RawIntercept {
         Ok(InterceptConfig {
             ca: std::sync::Arc::new(ca),
             hosts,
+            web_ports_only,
             bypass: self.bypass,
         })
     }

@@ -203,6 +203,9 @@ pub struct InterceptConfig {
     pub ca: Arc<crate::intercept::Ca>,
     /// Hosts whose tunnels are decrypted (every `[[limit]]` host when not written).
     pub hosts: Vec<HostPattern>,
+    /// Whether `hosts` came from the `[[limit]]`s: then a host without a port is
+    /// decrypted on the web ports only, since a limit's host names no protocol.
+    pub web_ports_only: bool,
     /// Hosts never decrypted, whatever `hosts` says (clients that pin certificates).
     pub bypass: Vec<HostPattern>,
 }

@@ -30,6 +30,7 @@ pub use ca::{init, Ca, CaError, InitError, Leaves, LEAF_CACHE, LEAF_VALIDITY};
 /// Which tunnels are decrypted, and the certificates to do it with.
 pub struct Intercept {
     hosts: Vec<HostPattern>,
+    web_ports_only: bool,
     bypass: Vec<HostPattern>,
     leaves: Leaves,
     /// Hosts whose clients refused tollgate's certificate, each logged once.
@@ -40,9 +41,10 @@ pub struct Intercept {
 /// host a deployment intercepts, and bounded against clients that make up host names.
 const UNTRUSTED_LOGGED: usize = 1024;
 
-/// The ports a host pattern without a port is intercepted on: HTTPS, and plain HTTP
-/// through CONNECT (Node's undici). Another protocol tunnelled to a listed host (SSH,
-/// IMAPS, MQTT) stays a blind tunnel unless its port is listed with the host.
+/// The ports a `[[limit]]` host without a port is intercepted on, when `[intercept]
+/// hosts` is not written: HTTPS, and plain HTTP through CONNECT (Node's undici). A
+/// limit's host names no protocol, so another one tunnelled to it (SSH, IMAPS, MQTT)
+/// stays a blind tunnel. A host written in `[intercept] hosts` is meant: any port.
 const WEB_PORTS: [u16; 2] = [443, 80];
 
 /// A byte stream a decrypted (or plain) tunnel is served over.
@@ -64,6 +66,7 @@ impl Intercept {
     pub fn new(config: &InterceptConfig) -> Result<Intercept, CaError> {
         Ok(Intercept {
             hosts: config.hosts.clone(),
+            web_ports_only: config.web_ports_only,
             bypass: config.bypass.clone(),
             leaves: Leaves::new(config.ca.clone())?,
             untrusted: Mutex::default(),
@@ -72,7 +75,7 @@ impl Intercept {
 
     /// Whether a CONNECT to `host` (canonical) on `port` is decrypted.
     pub fn covers(&self, host: &str, port: u16) -> bool {
-        covers(&self.hosts, &self.bypass, host, port)
+        covers(&self.hosts, self.web_ports_only, &self.bypass, host, port)
     }
 
     /// The leaf certificates, for the admin endpoints.
@@ -166,12 +169,19 @@ impl Intercept {
     }
 }
 
-/// Whether `host` on `port` is in `hosts` and not in `bypass`. A pattern without a port
-/// covers [`WEB_PORTS`] only; `bypass` patterns match on any port.
-fn covers(hosts: &[HostPattern], bypass: &[HostPattern], host: &str, port: u16) -> bool {
-    let listed = hosts
-        .iter()
-        .any(|p| p.matches(host, port) && (p.port().is_some() || WEB_PORTS.contains(&port)));
+/// Whether `host` on `port` is in `hosts` and not in `bypass`. With `web_ports_only`, a
+/// pattern without a port covers [`WEB_PORTS`] only; `bypass` matches on any port.
+fn covers(
+    hosts: &[HostPattern],
+    web_ports_only: bool,
+    bypass: &[HostPattern],
+    host: &str,
+    port: u16,
+) -> bool {
+    let listed = hosts.iter().any(|p| {
+        p.matches(host, port)
+            && (!web_ports_only || p.port().is_some() || WEB_PORTS.contains(&port))
+    });
     listed && !bypass.iter().any(|p| p.matches(host, port))
 }
 
@@ -184,24 +194,31 @@ mod tests {
         let p = |s: &str| HostPattern::parse(s).unwrap();
         let hosts = [p("api.github.com"), p("*.stripe.com"), p("127.0.0.1:8443")];
         let bypass = [p("pinned.stripe.com")];
-        for (host, port, decrypted) in [
-            ("api.github.com", 443, true),
-            ("github.com", 443, false),
-            ("api.stripe.com", 443, true),
-            ("pinned.stripe.com", 443, false),
-            ("stripe.com", 443, false),
-            ("127.0.0.1", 8443, true),
-            ("127.0.0.1", 443, false),
-            ("example.com", 443, false),
-            // Without a port in the pattern: the web ports only.
-            ("api.github.com", 80, true),
-            ("api.github.com", 22, false),
-            ("api.stripe.com", 8883, false),
+        for (host, port, written, from_limits) in [
+            ("api.github.com", 443, true, true),
+            ("github.com", 443, false, false),
+            ("api.stripe.com", 443, true, true),
+            ("pinned.stripe.com", 443, false, false),
+            ("stripe.com", 443, false, false),
+            ("127.0.0.1", 8443, true, true),
+            ("127.0.0.1", 443, false, false),
+            ("example.com", 443, false, false),
+            // A pattern without a port: any port when written in [intercept], the
+            // web ports only when it came from a [[limit]].
+            ("api.github.com", 80, true, true),
+            ("api.github.com", 22, true, false),
+            ("api.stripe.com", 8883, true, false),
+            ("pinned.stripe.com", 8883, false, false),
         ] {
             assert_eq!(
-                covers(&hosts, &bypass, host, port),
-                decrypted,
+                covers(&hosts, false, &bypass, host, port),
+                written,
                 "{host}:{port}"
+            );
+            assert_eq!(
+                covers(&hosts, true, &bypass, host, port),
+                from_limits,
+                "{host}:{port} from limits"
             );
         }
     }
