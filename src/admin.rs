@@ -79,6 +79,18 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
             "text/html; charset=utf-8",
             DASHBOARD.to_string(),
         ),
+        (&Method::POST, "/reload") => match proxy.reload() {
+            Ok(loaded) => (
+                StatusCode::OK,
+                "text/plain",
+                format!(
+                    "reloaded {} (sha256 {})\n",
+                    loaded.path.unwrap_or_default(),
+                    loaded.sha256.unwrap_or_default()
+                ),
+            ),
+            Err(e) => (StatusCode::BAD_REQUEST, "text/plain", format!("{e}\n")),
+        },
         (&Method::GET, "/status") => {
             let json = status(proxy, history);
             (StatusCode::OK, "application/json", format!("{json:#}\n"))
@@ -86,7 +98,8 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",
-            "tollgate admin: GET / (dashboard), /metrics, /healthz or /status\n".to_string(),
+            "tollgate admin: GET / (dashboard), /metrics, /healthz or /status; POST /reload\n"
+                .to_string(),
         ),
     };
     let mut resp = Response::new(body::full(text));
@@ -112,14 +125,14 @@ fn status(proxy: &Proxy, history: &History) -> serde_json::Value {
     let groups: Vec<_> = (proxy.limits().groups().iter())
         .map(|g| group_status(g, history))
         .collect();
-    serde_json::json!({ "backend": backend, "groups": groups })
+    serde_json::json!({ "backend": backend, "config": proxy.loaded(), "groups": groups })
 }
 
 /// One group: its own snapshot (whatever fields it has), plus what was configured and
 /// its counters and recent departures.
 fn group_status(group: &Group, history: &History) -> serde_json::Value {
     let mut json = serde_json::to_value(group.status()).unwrap_or_default();
-    let settings = &group.settings;
+    let settings = group.settings();
     let metrics = &group.metrics;
     let extra = serde_json::json!({
         "configured_rates_per_second":
@@ -128,6 +141,7 @@ fn group_status(group: &Group, history: &History) -> serde_json::Value {
         "queue_limit": settings.queue,
         "adaptive": settings.adaptive,
         "departures_per_second": history.per_second(&group.name),
+        "upstream_statuses": metrics.upstream.statuses(),
         "counters": {
             "admitted": metrics.admitted.get(),
             "queue_full": metrics.queue_full.get(),

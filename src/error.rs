@@ -245,13 +245,13 @@ impl ProxyError {
         match refusal {
             crate::limit::Refusal::QueueFull { retry_after } => ProxyError::QueueFull {
                 group: name,
-                queue: group.settings.queue,
+                queue: group.settings().queue,
                 retry_after,
             },
             crate::limit::Refusal::BackendDown => ProxyError::BackendDown { group: name },
             crate::limit::Refusal::WaitTooLong { ahead } => ProxyError::WaitTooLong {
                 group: name,
-                max_wait: group.settings.max_wait,
+                max_wait: group.settings().max_wait,
                 ahead: Duration::from_millis(ahead.as_millis() as u64),
             },
             crate::limit::Refusal::MaxWait {

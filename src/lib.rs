@@ -26,10 +26,11 @@
 //!   headers ([`retry_after`], [`ratelimit_headers`]) pause the group, and refused
 //!   requests are replayed ([`replay`] says which may be);
 //! * [`error`] — every failure as a response with `Proxy-Status` (RFC 9209);
+//! * [`access_log`] — one line per request, written when its response is done;
 //! * [`shutdown`] — queued requests answered `503` once the grace is over, and counts.
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
-//! file:line:column errors), [`body`] (the one streamed body type), [`metrics`] and
+//! file:line:column errors; [`reload`] reads it again on SIGHUP), [`body`] (the one streamed body type), [`metrics`] and
 //! [`admin`] (a dashboard, `/metrics`, `/healthz`, `/status` on their own listener),
 //! [`health`] (`tollgate health`, the container's check of `/healthz`),
 //! [`precise_sleep`] (the queue's head waits for its slot on a kernel timer), and
@@ -39,6 +40,7 @@
 #![warn(missing_docs)]
 
 pub mod access;
+pub mod access_log;
 pub mod admin;
 pub mod body;
 pub mod classify;
@@ -57,6 +59,7 @@ pub mod precise_sleep;
 pub mod proxy;
 pub mod pushback;
 pub mod ratelimit_headers;
+pub mod reload;
 pub mod replay;
 pub mod retry_after;
 pub mod server;

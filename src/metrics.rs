@@ -5,8 +5,9 @@
 //! unlisted host is evicted its series are removed too ([`Metrics::forget`]), so a million
 //! distinct hosts cannot grow the registry without bound.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -28,6 +29,20 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+/// The labels of `tollgate_upstream_responses_total`: the status code only, so a
+/// group has at most a few dozen series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    group: String,
+    status: u16,
+}
+
+/// The labels of `tollgate_upstream_errors_total`: `kind` is the `Proxy-Status` error.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    group: String,
+    kind: &'static str,
+}
 /// The labels of `tollgate_learned_rate`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LearnedLabels {
@@ -48,6 +63,10 @@ type HistogramFamily = Family<GroupLabel, Histogram, fn() -> Histogram>;
 
 /// All of tollgate's metrics.
 pub struct Metrics {
+    /// Reloads of the configuration that took effect.
+    pub config_reloads: Counter,
+    /// Reloads refused (an invalid file, a change that needs a restart).
+    pub config_reload_failures: Counter,
     registry: Mutex<Registry>,
     queue_depth: Family<GroupLabel, Gauge>,
     in_flight: Family<GroupLabel, Gauge>,
@@ -57,6 +76,9 @@ pub struct Metrics {
     pause_seconds: HistogramFamily,
     retries: Family<GroupLabel, Counter>,
     passed_through: Family<GroupLabel, Counter>,
+    upstream_responses: Family<StatusLabels, Counter>,
+    upstream_duration: HistogramFamily,
+    upstream_errors: Family<KindLabels, Counter>,
     learned: Family<LearnedLabels, RateGauge>,
 }
 
@@ -85,9 +107,86 @@ pub struct GroupMetrics {
     pub retries: Counter,
     /// Push-back responses handed to the client (not replayable, or out of retries).
     pub passed_through: Counter,
+    /// Upstream answers by status, latency and failures.
+    pub upstream: Arc<UpstreamMetrics>,
     /// The rate learned from the upstream, one gauge per source in [`SOURCES`] order;
     /// the one in force is set, the others are 0.
     pub learned_rate: [RateGauge; 3],
+}
+
+/// One group's upstream answers: counted by status code, timed, and its failures to
+/// get one counted by kind.
+#[derive(Debug)]
+pub struct UpstreamMetrics {
+    group: String,
+    responses: Family<StatusLabels, Counter>,
+    duration: Histogram,
+    errors: Family<KindLabels, Counter>,
+    /// The codes and kinds seen, to read them back and to remove their series.
+    seen: Mutex<Seen>,
+}
+
+#[derive(Debug, Default)]
+struct Seen {
+    statuses: BTreeMap<u16, Counter>,
+    kinds: Vec<&'static str>,
+}
+
+impl UpstreamMetrics {
+    /// Counts an answer with `status` that took `elapsed` to its head.
+    pub fn response(&self, status: u16, elapsed: std::time::Duration) {
+        self.duration.observe(elapsed.as_secs_f64());
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.statuses
+            .entry(status)
+            .or_insert_with(|| {
+                self.responses
+                    .get_or_create(&StatusLabels {
+                        group: self.group.clone(),
+                        status,
+                    })
+                    .clone()
+            })
+            .inc();
+    }
+
+    /// Counts a failure to get an answer, of `kind` (a `Proxy-Status` error type).
+    pub fn error(&self, kind: &'static str) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if !seen.kinds.contains(&kind) {
+            seen.kinds.push(kind);
+        }
+        drop(seen);
+        self.errors
+            .get_or_create(&KindLabels {
+                group: self.group.clone(),
+                kind,
+            })
+            .inc();
+    }
+
+    /// Answers so far by status code.
+    pub fn statuses(&self) -> BTreeMap<u16, u64> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.statuses.iter().map(|(s, c)| (*s, c.get())).collect()
+    }
+
+    /// Removes this group's series (an evicted group's; see [`Metrics::forget`]).
+    pub fn forget(&self) {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        for &status in seen.statuses.keys() {
+            self.responses.remove(&StatusLabels {
+                group: self.group.clone(),
+                status,
+            });
+        }
+        for &kind in &seen.kinds {
+            self.errors.remove(&KindLabels {
+                group: self.group.clone(),
+                kind,
+            });
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -152,6 +251,38 @@ impl Metrics {
             "Push-back responses (429/503) handed to the client unchanged",
             passed_through.clone(),
         );
+        let upstream_responses = Family::<StatusLabels, Counter>::default();
+        // 1 ms to ~65 s: up to the default response_timeout.
+        let upstream_duration: HistogramFamily =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17)));
+        let upstream_errors = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "tollgate_upstream_responses",
+            "Upstream answers by group and status code (every attempt, replays included)",
+            upstream_responses.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_duration_seconds",
+            "Time from sending a request upstream to its response head",
+            upstream_duration.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_errors",
+            "Requests that got no upstream answer, by group and Proxy-Status error type",
+            upstream_errors.clone(),
+        );
+        let config_reloads = Counter::default();
+        let config_reload_failures = Counter::default();
+        registry.register(
+            "tollgate_config_reloads",
+            "Reloads of the configuration that took effect",
+            config_reloads.clone(),
+        );
+        registry.register(
+            "tollgate_config_reload_failures",
+            "Reloads refused: nothing changed (the log says why)",
+            config_reload_failures.clone(),
+        );
         let learned = Family::<LearnedLabels, RateGauge>::default();
         registry.register(
             "tollgate_learned_rate",
@@ -159,6 +290,11 @@ impl Metrics {
             learned.clone(),
         );
         Metrics {
+            config_reloads,
+            config_reload_failures,
+            upstream_responses,
+            upstream_duration,
+            upstream_errors,
             registry: Mutex::new(registry),
             learned,
             queue_depth,
@@ -197,6 +333,13 @@ impl Metrics {
             pause_seconds: self.pause_seconds.get_or_create(&label).clone(),
             retries: self.retries.get_or_create(&label).clone(),
             passed_through: self.passed_through.get_or_create(&label).clone(),
+            upstream: Arc::new(UpstreamMetrics {
+                group: name.to_string(),
+                responses: self.upstream_responses.clone(),
+                duration: self.upstream_duration.get_or_create(&label).clone(),
+                errors: self.upstream_errors.clone(),
+                seen: Mutex::default(),
+            }),
             learned_rate: SOURCES.map(|source| {
                 self.learned
                     .get_or_create(&LearnedLabels {
@@ -208,7 +351,8 @@ impl Metrics {
         }
     }
 
-    /// Removes the series of an evicted group.
+    /// Removes the series of an evicted group (its upstream series go with
+    /// [`UpstreamMetrics::forget`]).
     pub fn forget(&self, name: &str) {
         let label = GroupLabel {
             group: name.to_string(),
@@ -216,6 +360,7 @@ impl Metrics {
         self.queue_depth.remove(&label);
         self.in_flight.remove(&label);
         self.queue_wait.remove(&label);
+        self.upstream_duration.remove(&label);
         self.pauses.remove(&label);
         self.pause_seconds.remove(&label);
         self.retries.remove(&label);

@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::access::Access;
+use crate::access_log::{self, Answered, Logged, Record, Timing};
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::config::{BackendKind, Config, ConfigError};
@@ -48,9 +49,10 @@ use crate::upstream::{Dialer, Upstream};
 /// Everything a request needs, built once from the configuration and shared by all
 /// connections.
 pub struct Proxy {
-    access: Access,
-    classifier: Classifier,
-    limits: Arc<Limits>,
+    /// What a reload swaps, read once per request.
+    live: arc_swap::ArcSwap<Live>,
+    /// How to reload, and what it may not change.
+    reload: crate::reload::Reload,
     metrics: Arc<Metrics>,
     redis: Option<Arc<Redis>>,
     upstream: Upstream,
@@ -65,6 +67,38 @@ pub struct Proxy {
     body_idle: std::time::Duration,
     /// `replay_memory`: what the bodies read ahead for replay may take together.
     replay_memory: Arc<crate::replay::ReplayMemory>,
+}
+
+/// The part of the proxy a reload replaces: a request takes the one in force when it
+/// arrives and keeps it to its end.
+pub(crate) struct Live {
+    pub(crate) access: Access,
+    pub(crate) classifier: Classifier,
+    pub(crate) limits: Arc<Limits>,
+    /// `[log] access`: one line per request.
+    pub(crate) access_log: bool,
+    /// `[proxy] server_timing`: tell the client how long it queued.
+    pub(crate) server_timing: bool,
+    /// Which file, when loaded.
+    pub(crate) loaded: crate::reload::Loaded,
+}
+
+impl Live {
+    /// Everything of `config` a reload may change, with the groups `limits` builds for
+    /// it once nothing else can fail (a reload reconfigures the groups in force).
+    pub(crate) fn new(
+        config: &Config,
+        limits: impl FnOnce() -> Arc<Limits>,
+    ) -> Result<Live, ConfigError> {
+        Ok(Live {
+            access: Access::new(config)?,
+            classifier: Classifier::new(config),
+            limits: limits(),
+            access_log: config.log.access,
+            server_timing: config.proxy.server_timing,
+            loaded: crate::reload::Loaded::of(config),
+        })
+    }
 }
 
 impl Proxy {
@@ -84,11 +118,12 @@ impl Proxy {
             }
         };
         let store = redis.clone().map_or(Store::Memory, Store::Redis);
-        let limits = Arc::new(Limits::new(config, metrics.clone(), store));
-        let access = Access::new(config)?;
+        let live = Live::new(config, || {
+            Arc::new(Limits::new(config, metrics.clone(), store))
+        })?;
         let dialer = Dialer {
             connect_timeout: config.proxy.connect_timeout.0,
-            policy: access.policy.clone(),
+            policy: Arc::new(arc_swap::ArcSwap::new(live.access.policy.clone())),
         };
         let upstream =
             Upstream::new(&config.proxy, dialer.clone()).map_err(|message| ConfigError::Other {
@@ -106,9 +141,8 @@ impl Proxy {
         };
         Ok(Proxy {
             intercept,
-            access,
-            classifier: Classifier::new(config),
-            limits,
+            live: arc_swap::ArcSwap::from_pointee(live),
+            reload: crate::reload::Reload::new(config),
             metrics,
             redis,
             upstream,
@@ -138,6 +172,12 @@ impl Proxy {
         sending: Option<&Arc<Sending>>,
     ) -> impl Future<Output = Response<Body>> + Send + '_ {
         let arrived = Instant::now();
+        let live = self.live.load_full();
+        // What the access log tells besides the answer; taken before classifying, which
+        // may refuse the request or rewrite its URI.
+        let asked = live
+            .access_log
+            .then(|| (req.method().clone(), access_log::url(req.uri())));
         // A CONNECT's body is its tunnel, which may idle as long as it likes.
         let req = match req.method() == http::Method::CONNECT {
             true => req.map(body::boxed),
@@ -146,55 +186,100 @@ impl Proxy {
         // 0. Who asks, and whether it came round again (a password is checked below).
         // Inside a tunnel, the CONNECT that opened it was checked.
         let checked = match inside {
-            None => self.access.check(client, req.headers()),
+            None => live.access.check(client, req.headers()),
             Some(_) => Ok(crate::access::Check::Passed(None)),
         };
-        let classified = self.classify(req, local, inside).map(|mut to| {
+        let mut classified = self.classify(&live, req, local, inside).map(|mut to| {
             to.sending = sending.cloned();
             Box::new(to)
         });
+        // Where it goes once classified: a route's upstream, a tunnelled request's host.
+        let asked = match (asked, &mut classified) {
+            (Some((method, _)), Ok(to)) => Some((method, to.url.take().unwrap_or_default())),
+            (asked, _) => asked,
+        };
         async move {
+            let mut timing = Timing::default();
+            let mut user = None;
+            let group = classified.as_ref().ok().map(|to| to.group.clone());
             let answered = match (checked, classified) {
                 (Err(e), classified) => Err(answered_early(e, classified)),
                 (Ok(check), classified) => match (check.user().await, classified) {
                     (Err(e), classified) => Err(answered_early(e, classified)),
                     (Ok(_), Err(e)) => Err(e),
-                    (Ok(_), Ok(to)) if to.target.kind == Kind::Tunnel => match &self.intercept {
-                        Some(i) if i.covers(&to.target.host, to.target.port) => {
-                            self.open_intercepted(to)
+                    (Ok(who), Ok(to)) if to.target.kind == Kind::Tunnel => {
+                        user = who;
+                        match &self.intercept {
+                            Some(i) if i.covers(&to.target.host, to.target.port) => {
+                                self.open_intercepted(to)
+                            }
+                            _ => self.tunnel(to, arrived, &mut timing).await,
                         }
-                        _ => self.tunnel(to, arrived).await,
-                    },
-                    (Ok(_), Ok(to)) => self.forward(to, arrived).await,
+                    }
+                    (Ok(who), Ok(to)) => {
+                        user = who;
+                        self.forward(to, arrived, &mut timing).await
+                    }
                 },
             };
-            answered.unwrap_or_else(|e| {
-                tracing::debug!(error = %e, "request failed");
-                e.into_response()
-            })
+            let (mut response, answered) = match answered {
+                Ok(response) => (response, Answered::Upstream),
+                Err(e) => {
+                    tracing::debug!(error = %e, "request failed");
+                    let by = Answered::Tollgate(e.proxy_status_error());
+                    (e.into_response(), by)
+                }
+            };
+            if live.server_timing && group.is_some() {
+                let value = access_log::server_timing(timing.wait);
+                if let Ok(value) = http::HeaderValue::from_str(&value) {
+                    response.headers_mut().append("server-timing", value);
+                }
+            }
+            match asked {
+                None => response,
+                Some((method, url)) => {
+                    let record = Record {
+                        client,
+                        user,
+                        method,
+                        url,
+                        group: group.map(|g| g.name.to_string()),
+                        status: response.status().as_u16(),
+                        answered,
+                        timing,
+                        bytes: 0,
+                        complete: false,
+                    };
+                    response.map(|body| Logged::wrap(body, record))
+                }
+            }
         }
     }
 
     /// 1. Where a request goes, and whose budget it spends.
     fn classify(
         &self,
+        live: &Live,
         mut req: Request<Body>,
         local: SocketAddr,
         inside: Option<&Inside>,
     ) -> Result<Classified, ProxyError> {
         let target = match inside {
-            None => self.classifier.classify(&mut req, local)?,
+            None => live.classifier.classify(&mut req, local)?,
             Some(inside) => Classifier::inside(&mut req, inside)?,
         };
-        let group = self
+        let group = live
             .limits
             .group_for(&target.host, target.port, target.limit.as_deref());
         let cost = group
-            .settings
+            .settings()
             .cost_of(req.method(), &crate::path::for_matching(req.uri().path()));
         tracing::debug!(method = %req.method(), uri = %req.uri(), group = %group.name, "request");
         let upgrade = crate::upstream::upgrade::requested(req.version(), req.headers());
+        let url = live.access_log.then(|| access_log::url(req.uri()));
         Ok(Classified {
+            url,
             left: LeftEarly(Some(group.clone())),
             method: req.method().clone(),
             sending: None,
@@ -211,13 +296,24 @@ impl Proxy {
         &self,
         mut to: Box<Classified>,
         arrived: Instant,
+        timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         to.left.disarm();
-        let permit = self.admit(&to.group, to.cost, arrived, false).await?;
+        let permit = self.admit(&to.group, to.cost, arrived, false).await;
+        timing.wait = arrived.elapsed();
+        let permit = permit?;
         let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
         let req = to.request.attempt(0);
         let open = Box::pin(tunnel::open(dialer, tunnels, cut, &to.target, req, permit));
-        open.await
+        let opened = Instant::now();
+        let answer = open.await;
+        timing.upstream = opened.elapsed();
+        let upstream = &to.group.metrics.upstream;
+        match &answer {
+            Ok(response) => upstream.response(response.status().as_u16(), timing.upstream),
+            Err(e) => upstream.error(e.proxy_status_error()),
+        }
+        answer
     }
 
     /// Step 2 for a CONNECT to an intercepted host: answered at once, for the server to
@@ -227,7 +323,7 @@ impl Proxy {
         // Not a request of its group: each one inside the tunnel is.
         to.left.disarm();
         let (host, port) = (&to.target.host, to.target.port);
-        let policy = &self.dialer.policy;
+        let policy = self.dialer.policy.load();
         policy
             .check_host(host)
             .and_then(|()| match crate::host::ip_of(host) {
@@ -246,6 +342,7 @@ impl Proxy {
         &self,
         mut to: Box<Classified>,
         arrived: Instant,
+        timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         let Classified {
             left,
@@ -261,10 +358,12 @@ impl Proxy {
         // its permit is held while the switched connection is open.
         if let Some(protocol) = upgrade.take() {
             left.disarm();
-            let permit = self.admit(group, *cost, arrived, false).await?;
+            let permit = self.admit(group, *cost, arrived, false).await;
+            timing.wait = arrived.elapsed();
             let switching = self.upstream.switching(&self.tunnels, &self.cut);
             let sent = Instant::now();
-            let response = Box::pin(switching.send(request.attempt(0), protocol, permit)).await?;
+            let send = Box::pin(switching.send(request.attempt(0), protocol, permit?));
+            let response = answer(group, send, timing).await?;
             // A refusal still pauses the group; it is not replayed.
             return Ok(
                 match pushback::after_answer(group, arrived, sent, false, 0, response) {
@@ -276,25 +375,30 @@ impl Proxy {
             );
         }
         let memory = &self.replay_memory;
-        let read = request.read_body(group.settings.max_replay_body, memory);
+        let read = request.read_body(group.settings().max_replay_body, memory);
         // A body that fails (its client left, or stalled) is counted as `cancelled`.
         read.await?;
         // From here the group counts what becomes of the request.
         left.disarm();
         let mut attempt = 0;
         loop {
-            let permit = self.admit(group, *cost, arrived, attempt > 0).await?;
+            let queued = Instant::now();
+            let permit = self.admit(group, *cost, arrived, attempt > 0).await;
+            timing.wait += queued.elapsed();
             // Until its response has been written, the client's end of stream waits:
             // a request that went upstream is answered (see `half_close`).
-            let held = (permit, sending.as_ref().map(Sending::start));
+            let held = (permit?, sending.as_ref().map(Sending::start));
             let sent = Instant::now();
             let send = Box::pin(self.upstream.send(request.attempt(attempt), held));
-            let response = send.await?;
+            let response = answer(group, send, timing).await?;
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
             match pushback::after_answer(group, arrived, sent, replay, attempt, response) {
                 ControlFlow::Break(response) => return Ok(response),
-                ControlFlow::Continue(()) => attempt += 1,
+                ControlFlow::Continue(()) => {
+                    attempt += 1;
+                    timing.retries = attempt;
+                }
             }
         }
     }
@@ -311,9 +415,31 @@ impl Proxy {
         self.intercept.as_ref()
     }
 
-    /// The groups, for the admin endpoints.
-    pub fn limits(&self) -> &Arc<Limits> {
-        &self.limits
+    /// The groups in force, for the admin endpoints.
+    pub fn limits(&self) -> Arc<Limits> {
+        self.live.load().limits.clone()
+    }
+
+    /// The configuration file in force, for `/status`.
+    pub fn loaded(&self) -> crate::reload::Loaded {
+        self.live.load().loaded.clone()
+    }
+
+    /// Reads the configuration file again and, if it is usable and changes nothing
+    /// that needs a restart, swaps it in (see [`crate::reload`]); `Err` says why not,
+    /// and nothing changed.
+    pub fn reload(&self) -> Result<crate::reload::Loaded, String> {
+        let _one_at_a_time = self.reload.lock();
+        let answer = self.reload.read().and_then(|config| {
+            let limits = || Arc::new(self.limits().reconfigured(&config));
+            let live = Live::new(&config, limits).map_err(|e| e.to_string())?;
+            self.dialer.policy.store(live.access.policy.clone());
+            let loaded = live.loaded.clone();
+            self.live.store(Arc::new(live));
+            Ok(loaded)
+        });
+        self.reload.record(&answer, &self.metrics);
+        answer
     }
 
     /// The metrics, for the admin endpoints.
@@ -367,6 +493,8 @@ impl Proxy {
 
 /// A request, classified.
 struct Classified {
+    /// Where it goes, for the access log (when it is on).
+    url: Option<String>,
     left: LeftEarly,
     method: http::Method,
     /// Its connection's requests out upstream, if it came on a plain HTTP/1 connection.
@@ -398,6 +526,24 @@ impl Drop for LeftEarly {
             group.metrics.cancelled.inc();
         }
     }
+}
+
+/// The upstream's answer to `send`, timed and counted in `group`'s upstream metrics.
+async fn answer(
+    group: &Group,
+    send: impl Future<Output = Result<Response<Body>, ProxyError>>,
+    timing: &mut Timing,
+) -> Result<Response<Body>, ProxyError> {
+    let sent = Instant::now();
+    let answer = send.await;
+    let took = sent.elapsed();
+    timing.upstream += took;
+    let upstream = &group.metrics.upstream;
+    match &answer {
+        Ok(response) => upstream.response(response.status().as_u16(), took),
+        Err(e) => upstream.error(e.proxy_status_error()),
+    }
+    answer
 }
 
 /// `e`, for a classified request answered before it reached its group.

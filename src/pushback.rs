@@ -244,7 +244,7 @@ pub fn after_answer(
     attempt: u32,
     response: Response<Body>,
 ) -> ControlFlow<Response<Body>> {
-    let settings = &group.settings;
+    let settings = group.settings();
     let status = response.status().as_u16();
     // Jitter only spreads the fallback backoff of a refusal; skip its hashing on every
     // other answer.
@@ -262,7 +262,7 @@ pub fn after_answer(
     let verdict = judge(
         status,
         headers,
-        settings,
+        &settings,
         SystemTime::now,
         group.pushbacks_in_row(),
         jitter,

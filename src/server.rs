@@ -127,6 +127,7 @@ pub async fn run(
             stop.clone().cancelled_owned(),
         ));
     }
+    spawn_reload_on_hangup(proxy.clone(), stop.clone());
     let settings = Arc::new(Settings::new(&config));
 
     // Every thread keeps its runtime until all have drained: a task one runtime
@@ -311,4 +312,28 @@ async fn serve(
         let _ = tokio::time::timeout(ANSWER_AT_SHUTDOWN, drained()).await;
     }
     tick.abort();
+}
+
+/// Reloads the configuration on every SIGHUP until `stop` (an operator's `kill -HUP`,
+/// as with nginx and HAProxy; without a handler the signal would end the process).
+fn spawn_reload_on_hangup(proxy: Arc<Proxy>, stop: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hangup = match signal(SignalKind::hangup()) {
+        Ok(hangup) => hangup,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot handle SIGHUP: reload with POST /reload");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                got = hangup.recv() => if got.is_none() { return },
+            }
+            tracing::info!("SIGHUP: reloading the configuration");
+            // Outcome logged and counted by `reload`.
+            let _ = proxy.reload();
+        }
+    });
 }

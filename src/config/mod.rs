@@ -27,7 +27,7 @@ pub use external::{Place, Places};
 
 pub use tables::{
     AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, InterceptConfig,
-    LimitGroup, OnBackendError, ProxyConfig, RouteConfig,
+    LimitGroup, LogConfig, OnBackendError, ProxyConfig, RouteConfig,
 };
 
 pub use values::{
@@ -54,8 +54,12 @@ pub struct Config {
     pub access: AccessConfig,
     /// Which CONNECT tunnels are decrypted; none when absent.
     pub intercept: Option<InterceptConfig>,
+    /// The access log.
+    pub log: LogConfig,
     /// Where the settings naming files and servers were written, for their errors.
     pub places: Places,
+    /// The file it was loaded from, if any, for a reload.
+    pub source: Option<crate::reload::Source>,
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -99,7 +103,9 @@ impl Config {
             file: file.clone(),
             source,
         })?;
-        Config::parse(&text, &file)
+        let mut config = Config::parse(&text, &file)?;
+        config.source = Some(crate::reload::Source::of(path.into(), &text, &config));
+        Ok(config)
     }
 
     /// Parses and checks configuration text; `file` names it in errors.
@@ -143,6 +149,8 @@ struct RawConfig {
     access: AccessConfig,
     #[serde(default)]
     intercept: Option<Spanned<RawIntercept>>,
+    #[serde(default)]
+    log: LogConfig,
 }
 
 /// `[intercept]` as written: the CA files are read and checked by [`RawConfig::check`].
@@ -397,6 +405,7 @@ impl RawConfig {
         };
         Ok(Config {
             intercept,
+            log: self.log,
             proxy: self.proxy,
             routes: self.route.into_iter().map(Spanned::into_inner).collect(),
             defaults,
@@ -405,6 +414,7 @@ impl RawConfig {
             backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
             access: self.access,
             places: Places::default(),
+            source: None,
         })
     }
 }

@@ -50,6 +50,8 @@ pub struct ProxyConfig {
     pub ca_file: Option<PathBuf>,
     /// After SIGTERM/SIGINT, how long in-flight requests and tunnels may take to finish.
     pub shutdown_grace: Dur,
+    /// Whether responses carry `Server-Timing: tollgate;desc="queue";dur=<ms>`.
+    pub server_timing: bool,
 }
 
 impl Default for ProxyConfig {
@@ -65,7 +67,22 @@ impl Default for ProxyConfig {
             replay_memory: ByteSize(256 << 20),
             ca_file: None,
             shutdown_grace: Dur::secs(30),
+            server_timing: false,
         }
+    }
+}
+
+/// `[log]`: what tollgate writes to its log besides events.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// One line per request (the `access` target, at `info`).
+    pub access: bool,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { access: true }
     }
 }
 

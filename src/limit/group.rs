@@ -57,8 +57,8 @@ pub enum Refusal {
 pub struct Group {
     /// The group's name: a `[[limit]]` name, or the host for an unlisted host.
     pub name: Arc<str>,
-    /// The settings it was built from.
-    pub settings: GroupSettings,
+    /// The settings in force (a reload swaps them).
+    settings: arc_swap::ArcSwap<GroupSettings>,
     /// This group's metric handles (written here, never read back for a decision).
     pub metrics: GroupMetrics,
     store: Store,
@@ -66,6 +66,8 @@ pub struct Group {
     /// Requests holding a permit.
     in_flight: AtomicUsize,
     state: Mutex<State>,
+    /// Wakes a head waiting for its slot when a reload changes the rate.
+    reconfigured: tokio::sync::Notify,
 }
 
 /// What changes as requests come and go, under one lock.
@@ -130,6 +132,7 @@ impl Group {
             name,
             permits: Permits::new(settings.concurrency, leases),
             in_flight: AtomicUsize::new(0),
+            reconfigured: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 queue: Queue::default(),
                 rates: Rates::new(&settings, now),
@@ -138,9 +141,35 @@ impl Group {
                 learner: Learner::new(now),
             }),
             store,
-            settings,
+            settings: arc_swap::ArcSwap::from_pointee(settings),
             metrics,
         }
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> arc_swap::Guard<Arc<GroupSettings>> {
+        self.settings.load()
+    }
+
+    /// Takes new settings (a reload), keeping the queue, its order, the rate's state,
+    /// the pause and the permits held: the requests waiting leave at the new rate and
+    /// concurrency.
+    pub fn reconfigure(&self, settings: GroupSettings) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        state.rates.reconfigure(&settings, now);
+        let old = self.settings.load();
+        if (old.adaptive, old.min_rate, &old.rates)
+            != (settings.adaptive, settings.min_rate, &settings.rates)
+        {
+            state.adaptive = Adaptive::new(&settings, now);
+            let factor = state.adaptive.factor();
+            state.rates.set_factor(factor);
+        }
+        self.permits.resize(settings.concurrency);
+        self.settings.store(Arc::new(settings));
+        drop(state);
+        self.reconfigured.notify_waiters();
     }
 
     /// Waits until a request of `cost` that arrived at `arrived` may leave, in FIFO
@@ -163,8 +192,8 @@ impl Group {
             return Ok(permit);
         }
         // `max_wait` is a duration from the config: a value too large for the clock
-        // means "no limit".
-        let deadline = arrived.checked_add(self.settings.max_wait);
+        // means "no limit". A request keeps the one it arrived with through a reload.
+        let deadline = arrived.checked_add(self.settings().max_wait);
         // A retry waits behind nobody; a first attempt behind the whole queue.
         let ahead = self.estimate_wait(!front);
         if deadline.is_some_and(|deadline| Instant::now() + ahead > deadline) {
@@ -265,14 +294,22 @@ impl Group {
                 continue;
             }
             if !booked {
+                // Listening before the slot is read: a reload after it wakes the sleep.
+                let reconfigured = self.reconfigured.notified();
+                tokio::pin!(reconfigured);
+                reconfigured.as_mut().enable();
                 match self.store.book(self, place.cost, now).await? {
                     Slot::Booked(at) => {
                         booked = true;
                         sleep_until_slot(at).await;
                         continue;
                     }
+                    // A slot of the local rate is read again after a reload.
                     Slot::Local(at) if at > now => {
-                        sleep_until_slot(at).await;
+                        tokio::select! {
+                            () = sleep_until_slot(at) => {}
+                            () = reconfigured => {}
+                        }
                         continue;
                     }
                     Slot::Local(_) => {}
@@ -570,6 +607,41 @@ mod tests {
         let out = run(&g, 5, Duration::ZERO).await;
         assert_eq!(out, [(0, 0), (1, 100), (2, 200), (3, 300), (4, 400)]);
         assert_eq!(g.status().queued, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reload_sends_the_waiting_requests_at_the_new_rate_in_order() {
+        let g = group("1/h", |s| {
+            s.concurrency = 1;
+            s.max_wait = Duration::from_secs(10 * 3600);
+        });
+        let start = Instant::now();
+        let waiting = tokio::spawn({
+            let g = g.clone();
+            async move { run(&g, 4, Duration::from_millis(10)).await }
+        });
+        for _ in 0..1000 {
+            if g.status().queued == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(g.status().queued, 3);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let mut faster = (**g.settings()).clone();
+        faster.rates = vec!["10/s".parse::<Rate>().unwrap()];
+        faster.concurrency = 2;
+        g.reconfigure(faster);
+        let out = waiting.await.unwrap();
+        // The first left at once; the head, asleep for the rest of the hour, left as
+        // soon as it woke to the new rate; the others followed at its pace.
+        let order: Vec<usize> = out.iter().map(|(i, _)| *i).collect();
+        assert_eq!(order, [0, 1, 2, 3]);
+        let times: Vec<u128> = out.iter().map(|(_, t)| *t).collect();
+        assert_eq!(times[0], 0);
+        assert!(times[1] >= 60_000 && times[3] <= 60_000 + 300, "{times:?}");
+        assert_eq!(start.elapsed().as_secs(), 60);
+        assert_eq!(g.permits.available(), 2);
     }
 
     #[tokio::test(start_paused = true)]

@@ -69,17 +69,33 @@ struct Dynamic {
 impl Limits {
     /// Builds the configured groups, keeping their budgets in `store`.
     pub fn new(config: &Config, metrics: Arc<Metrics>, store: Store) -> Limits {
+        Limits::new_keeping(config, metrics, store, |_| None)
+    }
+
+    /// [`Limits::new`], taking the group `kept(name)` gives, reconfigured, over a new one.
+    fn new_keeping(
+        config: &Config,
+        metrics: Arc<Metrics>,
+        store: Store,
+        kept: impl Fn(&str) -> Option<Arc<Group>>,
+    ) -> Limits {
         let mut by_name = Map::default();
         let mut by_host = Map::default();
         let mut by_host_port = Map::default();
         let mut by_suffix = Vec::new();
         for limit in &config.limits {
-            let group = Arc::new(Group::new(
-                limit.name.as_str().into(),
-                limit.settings.clone(),
-                metrics.group(&limit.name),
-                store.clone(),
-            ));
+            let group = match kept(&limit.name) {
+                Some(group) => {
+                    group.reconfigure(limit.settings.clone());
+                    group
+                }
+                None => Arc::new(Group::new(
+                    limit.name.as_str().into(),
+                    limit.settings.clone(),
+                    metrics.group(&limit.name),
+                    store.clone(),
+                )),
+            };
             for host in &limit.hosts {
                 match host {
                     HostPattern::Exact(h) if h.contains(':') && !h.ends_with(']') => {
@@ -108,6 +124,25 @@ impl Limits {
             metrics,
             store,
         }
+    }
+
+    /// The groups of `config` for a reload: a group whose name survives is this one's,
+    /// with its queue, rate state, pause and permits, and takes its new settings (the
+    /// groups of unlisted hosts take the new `[defaults]`); a new name starts empty. A
+    /// group left out serves the requests that hold it and is dropped with the last.
+    pub fn reconfigured(&self, config: &Config) -> Limits {
+        let mut next =
+            Limits::new_keeping(config, self.metrics.clone(), self.store.clone(), |name| {
+                self.by_name.get(name).cloned()
+            });
+        let dynamic = self.dynamic.read().unwrap_or_else(|p| p.into_inner());
+        for group in dynamic.groups.values() {
+            group.reconfigure(config.defaults.clone());
+        }
+        let next_dynamic = next.dynamic.get_mut().unwrap_or_else(|p| p.into_inner());
+        next_dynamic.groups = dynamic.groups.clone();
+        next_dynamic.sweep_at = dynamic.sweep_at;
+        next
     }
 
     /// The group for a request to `host` (canonical) on `port`, or the group `named` by
@@ -179,6 +214,7 @@ impl Limits {
         dynamic.groups.retain(|host, group| {
             let keep = Arc::strong_count(group) > 1 || !group.is_idle();
             if !keep {
+                group.metrics.upstream.forget();
                 self.metrics.forget(host);
             }
             keep

@@ -5,6 +5,7 @@
 //! with `shared_concurrency` leases in Redis counted across every replica; while Redis
 //! is down a replica keeps to its share by taking `replicas` local permits a request.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ const LEASE_POLL_MAX: Duration = Duration::from_millis(100);
 /// A group's concurrency permits.
 pub struct Permits {
     local: Arc<Semaphore>,
-    concurrency: usize,
+    concurrency: AtomicUsize,
     /// Where leases are taken, with `shared_concurrency` on the Redis store.
     leases: Option<Arc<Redis>>,
 }
@@ -39,8 +40,25 @@ impl Permits {
     pub fn new(concurrency: usize, leases: Option<Arc<Redis>>) -> Permits {
         Permits {
             local: Arc::new(Semaphore::new(concurrency)),
-            concurrency,
+            concurrency: AtomicUsize::new(concurrency),
             leases,
+        }
+    }
+
+    /// Changes the number of permits (a reload). More are free at once; fewer are
+    /// taken out of use as requests in flight give theirs back.
+    pub fn resize(&self, concurrency: usize) {
+        let old = self.concurrency.swap(concurrency, Ordering::Relaxed);
+        if concurrency > old {
+            self.local.add_permits(concurrency - old);
+        } else if old > concurrency {
+            let surplus = (old - concurrency) as u32;
+            let local = self.local.clone();
+            tokio::spawn(async move {
+                if let Ok(taken) = local.acquire_many_owned(surplus).await {
+                    taken.forget();
+                }
+            });
         }
     }
 
@@ -61,7 +79,8 @@ impl Permits {
         let mut poll = LEASE_POLL_MIN;
         loop {
             // Boxed, as the booking in `Store::book`.
-            match Box::pin(redis.try_lease(group, self.concurrency)).await {
+            let concurrency = self.concurrency.load(Ordering::Relaxed);
+            match Box::pin(redis.try_lease(group, concurrency)).await {
                 Some(Some(lease)) => return Ok(Held::Lease(lease)),
                 // Every lease is taken, on some replica: look again shortly.
                 Some(None) => {
@@ -70,7 +89,7 @@ impl Permits {
                 }
                 None if redis.on_error == OnBackendError::Deny => return Err(Refusal::BackendDown),
                 None => {
-                    let share = redis.replicas().min(self.concurrency as u32);
+                    let share = redis.replicas().min(concurrency as u32);
                     return Ok(self.local(share).await);
                 }
             }

@@ -199,7 +199,7 @@ impl Place {
         let joined = Instant::now();
         let mut state = group.lock();
         let queue = &mut state.queue;
-        if !front && queue.len >= group.settings.queue {
+        if !front && queue.len >= group.settings().queue {
             drop(state);
             group.metrics.queue_full.inc();
             return Err(Refusal::QueueFull {

@@ -55,6 +55,39 @@ impl Rates {
         }
     }
 
+    /// Takes the rates of `settings` at `now` (a reload), keeping what was spent: a
+    /// rate's debt ahead of `now` is kept as the same number of requests, paid at the
+    /// new pace (a backlog at 1/h reloaded to 10/s waits 100 ms per request, not the
+    /// rest of the hour).
+    pub fn reconfigure(&mut self, settings: &GroupSettings, now: Instant) {
+        let since = self.since_epoch(now);
+        let mut next = Rates::new(settings, self.epoch);
+        for (i, new) in next.configured.iter().enumerate() {
+            let (Some(old), Some(old_tat)) = (self.configured.get(i), self.tats.get(i)) else {
+                continue;
+            };
+            let debt = old_tat.saturating_sub(since);
+            let requests = match old.interval.is_zero() {
+                true => 0.0,
+                false => debt.as_secs_f64() / old.interval.as_secs_f64(),
+            };
+            // At most a year: config durations are bounded so, and `since` stays far
+            // from overflowing.
+            let owed = new.interval.as_secs_f64() * requests;
+            next.tats[i] = since + Duration::from_secs_f64(owed.min(366.0 * 86_400.0));
+        }
+        // The learned rate, its TAT and the adaptive factor are the upstream's doing,
+        // not the file's: kept.
+        let learned_tat = self.tats.last().copied().unwrap_or_default();
+        if let Some(tat) = next.tats.last_mut() {
+            *tat = learned_tat;
+        }
+        next.learned = self.learned;
+        next.factor = self.factor;
+        next.update();
+        *self = next;
+    }
+
     /// The rates in force become the configured ones times `factor` (0 < factor ≤ 1).
     pub fn set_factor(&mut self, factor: f64) {
         self.factor = factor;
@@ -207,6 +240,27 @@ mod tests {
         // It waited for a permit until 300 ms: its slot is then, not at 100 ms.
         let ready = t0 + MS * 300;
         assert_eq!(r.depart(1.0, ready, ready + MS, 1), ready);
+    }
+
+    #[test]
+    fn a_reload_keeps_the_debt_in_requests_at_the_new_pace() {
+        let (mut r, t0) = rates("1/h");
+        r.depart(1.0, t0, t0, 1);
+        assert_eq!(r.earliest(1.0, t0), t0 + Duration::from_secs(3600));
+        let faster = GroupSettings {
+            rates: vec!["10/s".parse::<Rate>().unwrap()],
+            ..GroupSettings::default()
+        };
+        r.reconfigure(&faster, t0);
+        assert_eq!(r.earliest(1.0, t0), t0 + MS * 100);
+        // Half the debt paid, then back to 1/h: the other half is half an hour.
+        let at = t0 + MS * 50;
+        let slower = GroupSettings {
+            rates: vec!["1/h".parse::<Rate>().unwrap()],
+            ..GroupSettings::default()
+        };
+        r.reconfigure(&slower, at);
+        assert_eq!(r.earliest(1.0, at), at + Duration::from_secs(1800));
     }
 
     #[test]

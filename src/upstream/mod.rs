@@ -97,8 +97,8 @@ pub fn authority_of(uri: &Uri) -> String {
 pub struct Dialer {
     /// The longest time name resolution plus the TCP handshake may take.
     pub connect_timeout: Duration,
-    /// Which addresses may be dialled.
-    pub policy: Arc<Policy>,
+    /// Which addresses may be dialled (swapped by a reload).
+    pub policy: Arc<arc_swap::ArcSwap<Policy>>,
 }
 
 impl Dialer {
@@ -115,7 +115,8 @@ impl Dialer {
         let host = &crate::host::canonical(host).ok_or_else(|| {
             ProxyError::BadRequest(format!("{host:?} is not a host name or address"))
         })?;
-        self.policy.check_host(host).map_err(denied)?;
+        let policy = self.policy.load_full();
+        policy.check_host(host).map_err(denied)?;
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let authority = format!("{host}:{port}");
         let attempt = async {
@@ -127,7 +128,7 @@ impl Dialer {
                 })?
                 .collect();
             for addr in &addrs {
-                self.policy.check_addr(host, *addr).map_err(denied)?;
+                policy.check_addr(host, *addr).map_err(denied)?;
             }
             let mut last_error = None;
             for addr in addrs {

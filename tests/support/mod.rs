@@ -903,10 +903,22 @@ pub fn allowing_loopback(config_toml: &str) -> String {
     }
 }
 
+/// Like [`start_proxy_with_admin`], loading the file at `path` as the binary does, so
+/// that a reload (`POST /reload`) reads it again. The file must allow loopback itself.
+pub async fn start_proxy_from_file(path: &Path) -> Proxy {
+    let config = tollgate::config::Config::load(path)
+        .unwrap_or_else(|e| panic!("test config does not load: {e}"));
+    launch_config(config, true).await
+}
+
 async fn launch(config_toml: &str, with_admin: bool) -> Proxy {
     let config_toml = allowing_loopback(config_toml);
     let config = tollgate::config::Config::parse(&config_toml, "test.toml")
         .unwrap_or_else(|e| panic!("test config does not parse: {e}"));
+    launch_config(config, with_admin).await
+}
+
+async fn launch_config(config: tollgate::config::Config, with_admin: bool) -> Proxy {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
     let addr = listener.local_addr().unwrap();
     let admin = match with_admin {
