@@ -118,11 +118,21 @@ async fn run(
     upstream: &Upstream,
     record: &Mutex<Vec<(Instant, u16)>>,
 ) -> Vec<(Instant, u16)> {
-    let urls = (0..REQUESTS).map(|i| upstream.url(&format!("/{i}")));
+    run_n(proxy, upstream, record, REQUESTS).await
+}
+
+/// [`run`] with `n` requests.
+async fn run_n(
+    proxy: &Proxy,
+    upstream: &Upstream,
+    record: &Mutex<Vec<(Instant, u16)>>,
+    n: usize,
+) -> Vec<(Instant, u16)> {
+    let urls = (0..n).map(|i| upstream.url(&format!("/{i}")));
     let statuses = get_all_at_once(proxy, urls).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     let record = record.lock().unwrap().clone();
-    assert_eq!(record.iter().filter(|(_, s)| *s == 200).count(), REQUESTS);
+    assert_eq!(record.iter().filter(|(_, s)| *s == 200).count(), n);
     record
 }
 
@@ -202,19 +212,22 @@ async fn told_a_rate_too_high_the_ietf_policy_wins_before_any_refusal() {
     })
     .await;
     let proxy = start_proxy_with_admin(&config(Some("16/s"))).await;
-    let record = run(&proxy, &upstream, &record).await;
+    // Six windows of the upstream's, five ends of a window to stall at.
+    let record = run_n(&proxy, &upstream, &record, 6 * LIMIT as usize).await;
     // The first answer teaches 10/s; a request that left at 16/s before it is the most
     // that can be refused.
     assert!(refusals(&record) <= 1, "{}", refusals(&record));
     let group = status_of(&proxy).await;
     assert_eq!(group["learned_from"], "ratelimit-policy");
-    // Remaining: 0 at the end of each window did not stall the group: no gap of a
-    // second between two arrivals.
+    // Remaining: 0 at the end of a window does not stall the group for another: a gap
+    // of most of a second between two arrivals. One is tolerated (a loaded machine can
+    // let a request leave late enough to meet a spent window); a proxy that stalls at
+    // every window's end has five.
     let stalls = record
         .windows(2)
         .filter(|w| w[1].0 - w[0].0 >= Duration::from_millis(900))
         .count();
-    assert_eq!(stalls, 0);
+    assert!(stalls <= 1, "{stalls} stalls");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
