@@ -509,8 +509,6 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
     // stays open while the tunnel is, past client_header_timeout (an h2 connection with
     // no stream open closes after it). The connection inside is kept busy: idle for as
     // long, it would close like any keep-alive connection.
-    use http_body_util::Empty;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
@@ -521,20 +519,7 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
         upstream.authority()
     );
     let proxy = start_proxy(&config).await;
-    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
-        TokioExecutor::new(),
-        TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
-    let connect = http::Request::connect(upstream.authority())
-        .body(Empty::new())
-        .unwrap();
-    let resp = send.send_request(connect).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut tunnel = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+    let mut tunnel = h2_connect(&proxy, &upstream.authority()).await;
 
     // 2 s in all: an h2 connection idle for 600 ms gets GOAWAY, and is dropped if still
     // idle 1.2 s later.
@@ -717,9 +702,6 @@ async fn a_websocket_holds_its_concurrency_permit_while_open() {
 
 #[tokio::test]
 async fn a_websocket_in_a_tunnel_on_an_http2_stream_outlives_the_idle_close() {
-    use http_body_util::Empty;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-
     let upstream = Switching::start().await;
     let authority = upstream.addr.to_string();
     let ca = InterceptCa::new();
@@ -728,20 +710,7 @@ async fn a_websocket_in_a_tunnel_on_an_http2_stream_outlives_the_idle_close() {
         ca.table("")
     );
     let proxy = start_proxy(&config).await;
-    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
-        TokioExecutor::new(),
-        TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
-    let connect = http::Request::connect(authority.as_str())
-        .body(Empty::new())
-        .unwrap();
-    let resp = send.send_request(connect).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut tunnel = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+    let mut tunnel = h2_connect(&proxy, authority.as_str()).await;
     open_websocket(&mut tunnel, &authority).await;
     echo(&mut tunnel, b"before").await;
     // Idle for three header timeouts: an h2 connection with no stream open would have

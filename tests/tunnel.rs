@@ -156,27 +156,12 @@ async fn curl_proxytunnel_to_plain_http() {
 async fn an_http2_tunnel_outlives_the_idle_close() {
     // HTTP/2 connections with no request open are closed after client_header_timeout;
     // a CONNECT stream is open for as long as its tunnel, long after its `200`.
-    use http_body_util::Empty;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
     let proxy =
         start_proxy("[proxy]\nconnect_ports = [\"*\"]\nclient_header_timeout = \"300ms\"\n").await;
-    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
-        TokioExecutor::new(),
-        TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
-    let connect = http::Request::connect(upstream.authority())
-        .body(Empty::new())
-        .unwrap();
-    let resp = send.send_request(connect).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut tunnel = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+    let mut tunnel = h2_connect(&proxy, &upstream.authority()).await;
 
     // Plain HTTP/1.1 through the tunnel, before and after three idle timeouts.
     let mut answers = Vec::new();

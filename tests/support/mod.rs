@@ -945,6 +945,28 @@ async fn launch_config(config: tollgate::config::Config, with_admin: bool) -> Pr
     }
 }
 
+/// Opens a tunnel to `authority` as an HTTP/2 client does: a `CONNECT` stream on a
+/// prior-knowledge h2 connection to the proxy; asserts the `200` and returns the tunnel.
+pub async fn h2_connect(proxy: &Proxy, authority: &str) -> TokioIo<hyper::upgrade::Upgraded> {
+    let tcp = TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect to the proxy");
+    let (mut send, conn) = hyper::client::conn::http2::handshake::<
+        _,
+        _,
+        http_body_util::Empty<Bytes>,
+    >(TokioExecutor::new(), TokioIo::new(tcp))
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    let connect = Request::connect(authority)
+        .body(http_body_util::Empty::new())
+        .expect("a CONNECT request");
+    let resp = send.send_request(connect).await.expect("CONNECT answered");
+    assert_eq!(resp.status(), 200);
+    TokioIo::new(hyper::upgrade::on(resp).await.expect("the tunnel opens"))
+}
+
 /// GETs `path` from the proxy's admin listener and returns the body; panics unless
 /// the answer is 200.
 pub async fn admin_get(proxy: &Proxy, path: &str) -> String {
