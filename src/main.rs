@@ -163,7 +163,10 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
         None => None,
         Some(addr) => match TcpListener::bind(addr).await {
             Ok(admin) => {
-                tracing::info!(listen = %addr, "admin endpoints listening");
+                // The bound address, not the configured one: with port 0 the kernel
+                // chose it, and whoever started tollgate reads it here.
+                let listen = admin.local_addr().unwrap_or(addr);
+                tracing::info!(%listen, "admin endpoints listening");
                 Some(admin)
             }
             Err(e) => {
@@ -172,6 +175,7 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
             }
         },
     };
+    let listen = sockets.local_addr().unwrap_or(listen);
     tracing::info!(%listen, threads, "tollgate listening");
     match tollgate::server::run(sockets, admin, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -168,7 +168,8 @@ async fn every_request_has_one_line_refused_and_replayed_ones_included() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_refused_is_counted_by_kind_and_logged() {
     install();
-    let closed = closed_addr();
+    let closed_port = ClosedPort::new();
+    let closed = closed_port.addr();
     let proxy = start_proxy_with_admin("[log]\naccess = true\n").await;
     let url = format!("http://{closed}/gone");
     let resp = reqwest_via(&proxy, None).get(&url).send().await.unwrap();
@@ -206,25 +207,13 @@ async fn access_false_writes_no_lines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_writes_json_lines_with_log_format_json() {
     let upstream = Upstream::start(|_| Reply::ok("hello")).await;
-    let dir = tempfile::tempdir().unwrap();
-    let listen = closed_addr();
-    let text = allowing_loopback(&format!("[proxy]\nlisten = \"{listen}\"\n"));
-    let config = write_file(dir.path(), "config.toml", &text);
-    let log_path = dir.path().join("stderr.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "info")])
-        .args(["--log-format", "json", "--config"])
-        .arg(&config)
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("tollgate runs");
-    let read = || String::from_utf8_lossy(&std::fs::read(&log_path).unwrap()).into_owned();
+    let tollgate = Tollgate::launch("[proxy]\n")
+        .arg("--log-format")
+        .arg("json")
+        .start()
+        .await;
+    let listen = tollgate.addr;
     let deadline = Instant::now() + BOUND;
-    while !read().contains("tollgate listening") {
-        assert!(Instant::now() < deadline, "never listened:\n{}", read());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let client = reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(format!("http://{listen}")).unwrap())
         .timeout(BOUND)
@@ -233,14 +222,13 @@ async fn the_binary_writes_json_lines_with_log_format_json() {
     let resp = client.get(upstream.url("/json?q=1")).send().await.unwrap();
     assert_eq!(resp.text().await.unwrap(), "hello");
     let line = loop {
-        let text = read();
+        let text = tollgate.log();
         if let Some(line) = text.lines().find(|l| l.contains("\"target\":\"access\"")) {
             break line.to_string();
         }
         assert!(Instant::now() < deadline, "no access line:\n{text}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    child.kill().await.unwrap();
     let json: serde_json::Value = serde_json::from_str(&line).unwrap();
     let fields = &json["fields"];
     assert_eq!(json["level"], "INFO", "{line}");
@@ -276,7 +264,8 @@ async fn a_connect_has_its_line() {
     drop(stream);
 
     // Refused: no tunnels to a closed port are opened, and that is logged as tollgate's.
-    let closed = closed_addr();
+    let closed_port = ClosedPort::new();
+    let closed = closed_port.addr();
     let refused = raw_request(
         proxy.addr,
         format!("CONNECT {closed} HTTP/1.1\r\nHost: {closed}\r\n\r\n").as_bytes(),

@@ -73,7 +73,7 @@ async fn unusable_files_are_reported_at_their_line_before_anything_listens() {
     assert!(stderr.contains(&at), "{stderr}");
 
     // Run with it: refused the same way, and nothing was said to listen.
-    let listen = closed_addr().to_string();
+    let listen = "127.0.0.1:0".to_string();
     let args = [
         "--config".as_ref(),
         config.as_os_str(),

@@ -37,7 +37,8 @@ fn assert_raw_error(resp: &RawResponse, status: u16, error: &str) -> String {
 
 #[tokio::test]
 async fn connection_refused() {
-    let closed = closed_addr();
+    let closed_port = ClosedPort::new();
+    let closed = closed_port.addr();
     let proxy = start_proxy("[proxy]\nconnect_ports = [\"*\"]\n").await;
 
     let out = curl(&["-x", &proxy.url(), &format!("http://{closed}/x")], &[]).await;

@@ -346,32 +346,16 @@ async fn queued_uploads_stay_within_replay_memory_and_are_all_served() {
     const CLIENTS: usize = 150;
     const SIZE: usize = 1 << 20;
     let upstream = Upstream::start_bulk().await;
-    let dir = tempfile::tempdir().unwrap();
-    let listen = closed_addr();
-    let config = write_file(
-        dir.path(),
-        "tollgate.toml",
-        &format!(
-            "[proxy]\nlisten = \"{listen}\"\nreplay_memory = \"32MiB\"\n\
-             [[limit]]\nname = \"uploads\"\nhosts = [\"127.0.0.1\"]\nrate = \"50/s\"\n\
-             queue = 1000\nmax_wait = \"5m\"\n{ALLOW_LOOPBACK}"
-        ),
-    );
-    let mut child = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "warn")])
-        .arg("--config")
-        .arg(&config)
-        .env_remove("TOLLGATE_CONFIG")
-        .env_remove("TOLLGATE_LISTEN")
-        .kill_on_drop(true)
-        .spawn()
-        .expect("tollgate runs");
-    let deadline = std::time::Instant::now() + BOUND;
-    while tokio::net::TcpStream::connect(listen).await.is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
-        assert!(std::time::Instant::now() < deadline, "never listened");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let pid = child.id().unwrap();
+    let tollgate = Tollgate::launch(
+        "[proxy]\nreplay_memory = \"32MiB\"\n\
+         [[limit]]\nname = \"uploads\"\nhosts = [\"127.0.0.1\"]\nrate = \"50/s\"\n\
+         queue = 1000\nmax_wait = \"5m\"\n",
+    )
+    .env("RUST_LOG", "warn,tollgate=info")
+    .start()
+    .await;
+    let listen = tollgate.addr;
+    let pid = tollgate.pid();
     let idle = peak_rss_kib(pid);
 
     let body = Arc::new(pattern_bytes(SIZE));

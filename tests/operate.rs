@@ -6,7 +6,7 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use support::*;
 
@@ -262,7 +262,11 @@ async fn health_exits_0_only_on_a_200() {
     assert_eq!(code, Some(1));
     assert!(stderr.contains("answered 404"), "{stderr}");
 
-    let (code, stderr) = health(&format!("http://{}/healthz", closed_addr()), "10").await;
+    let (code, stderr) = health(
+        &format!("http://{}/healthz", ClosedPort::new().addr()),
+        "10",
+    )
+    .await;
     assert_eq!(code, Some(1));
     assert!(stderr.contains("refused"), "{stderr}");
 
@@ -291,37 +295,8 @@ async fn health_gives_up_on_a_silent_server() {
 /// Log lines written to a file carry no ANSI escape codes.
 #[tokio::test]
 async fn logs_to_a_file_have_no_colour_codes() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_file(dir.path(), "config.toml", "[proxy]\n");
-    let log_path = dir.path().join("stderr.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let listen = closed_addr();
-    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "info")]);
-    let mut child = cmd
-        .env_remove("NO_COLOR")
-        .arg("--config")
-        .arg(&config)
-        .arg("--listen")
-        .arg(listen.to_string())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("tollgate runs");
-    let deadline = Instant::now() + BOUND;
-    let text = loop {
-        let text = std::fs::read(&log_path).unwrap();
-        if String::from_utf8_lossy(&text).contains("tollgate listening") {
-            break text;
-        }
-        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
-        assert!(
-            Instant::now() < deadline,
-            "tollgate never logged that it listens"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    child.kill().await.unwrap();
+    let tollgate = Tollgate::start("[proxy]\n").await;
+    let text = tollgate.log().into_bytes();
     let shown = String::from_utf8_lossy(&text);
     assert!(shown.contains("INFO"), "{shown}");
     assert!(

@@ -4,8 +4,7 @@
 mod support;
 
 use std::net::IpAddr;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
 
@@ -152,53 +151,20 @@ async fn a_bad_file_or_a_new_listen_address_changes_nothing() {
     );
 }
 
-/// `kill -HUP` reloads, as nginx users expect, instead of ending the process.
+/// `kill -HUP` reloads, as nginx users expect, instead of ending the process: a group
+/// the file gains shows up in `/status`.
 #[tokio::test]
 async fn sighup_reloads_the_binary() {
-    let dir = tempfile::tempdir().unwrap();
-    let listen = closed_addr();
-    let text = format!("[proxy]\nlisten = \"{listen}\"\n");
-    let config = write_file(dir.path(), "config.toml", &text);
-    let log_path = dir.path().join("stderr.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "info")]);
-    let mut child = cmd
-        .arg("--config")
-        .arg(&config)
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("tollgate runs");
-    let read = || String::from_utf8_lossy(&std::fs::read(&log_path).unwrap()).into_owned();
-    let wait_for = |needle: &'static str| {
-        let deadline = Instant::now() + BOUND;
-        async move {
-            loop {
-                if read().contains(needle) {
-                    return;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "never logged {needle:?}:\n{}",
-                    read()
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    wait_for("tollgate listening").await;
-    write_file(
-        dir.path(),
-        "config.toml",
-        &format!("{text}[log]\naccess = false\n"),
-    );
-    let pid = child.id().unwrap().to_string();
-    let kill = clean_command("kill", &[])
-        .args(["-HUP", &pid])
-        .status()
-        .await;
-    assert!(kill.unwrap().success());
-    wait_for("configuration reloaded").await;
-    assert!(child.try_wait().unwrap().is_none(), "SIGHUP ended tollgate");
-    child.kill().await.unwrap();
+    let text = format!("[proxy]\n{ADMIN_ON_PORT_0}");
+    let mut tollgate = Tollgate::start(&text).await;
+    let (_, status) = tollgate.admin("/status").await;
+    assert!(!status.contains("\"api\""), "{status}");
+    let more =
+        format!("{text}[[limit]]\nname = \"api\"\nhosts = [\"api.example\"]\nrate = \"1/s\"\n");
+    std::fs::write(tollgate.config_path(), allowing_loopback(&more)).unwrap();
+    tollgate.signal("HUP").await;
+    tollgate.wait_for_log("configuration reloaded").await;
+    assert!(tollgate.is_running(), "SIGHUP ended tollgate");
+    let (_, status) = tollgate.admin("/status").await;
+    assert!(status.contains("\"api\""), "{status}");
 }

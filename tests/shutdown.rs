@@ -214,45 +214,10 @@ async fn requests_still_in_flight_after_the_grace_period_are_cut() {
 
 /// The `tollgate` binary with a clean environment (no proxy or TOLLGATE_* variables).
 fn tollgate() -> tokio::process::Command {
-    tollgate_via(env!("CARGO_BIN_EXE_tollgate"), &[])
-}
-
-/// `program args… tollgate` (a wrapper such as `prlimit` that execs the binary), with
-/// the same clean environment.
-fn tollgate_via(program: &str, args: &[&str]) -> tokio::process::Command {
-    let mut cmd = clean_command(program, &[("RUST_LOG", "warn")]);
-    cmd.args(args)
-        .env_remove("TOLLGATE_CONFIG")
+    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "warn")]);
+    cmd.env_remove("TOLLGATE_CONFIG")
         .env_remove("TOLLGATE_LISTEN");
     cmd
-}
-
-/// Starts `cmd --config config --listen <addr>` and waits until it accepts connections.
-async fn run_listening(
-    mut cmd: tokio::process::Command,
-    config: &std::path::Path,
-) -> (tokio::process::Child, std::net::SocketAddr) {
-    // The binary cannot report a port it chose, so pick one that was free a moment ago.
-    let listen = closed_addr();
-    let mut child = cmd
-        .arg("--config")
-        .arg(config)
-        .arg("--listen")
-        .arg(listen.to_string())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("tollgate runs");
-    let deadline = Instant::now() + BOUND;
-    while TcpStream::connect(listen).await.is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
-        assert!(
-            Instant::now() < deadline,
-            "tollgate never listened on {listen}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (child, listen)
 }
 
 /// The value of `field` (e.g. "FDSize:") in /proc/<pid>/status.
@@ -344,18 +309,11 @@ async fn binary_allocator_commits_arenas_as_they_are_used() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_serves_and_exits_0_on_sigterm() {
     let upstream = Upstream::echo().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_file(
-        dir.path(),
-        "tollgate.toml",
-        &format!("[proxy]\nshutdown_grace = \"5s\"\n{ALLOW_LOOPBACK}"),
-    );
-    let (child, listen) = run_listening(tollgate(), &config).await;
-    let pid = child.id().expect("running").to_string();
+    let mut tollgate = Tollgate::start("[proxy]\nshutdown_grace = \"5s\"\n").await;
     let out = curl(
         &[
             "-x",
-            &format!("http://{listen}"),
+            &tollgate.url(),
             "--data-binary",
             "via binary",
             &upstream.url("/bin"),
@@ -367,22 +325,9 @@ async fn binary_serves_and_exits_0_on_sigterm() {
     assert_eq!(out.text(), "via binary");
     assert_eq!(upstream.requests()[0].header("via"), Some("1.1 tollgate"));
 
-    // Only the process started above is signalled.
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let out = tokio::time::timeout(BOUND, child.wait_with_output())
-        .await
-        .expect("tollgate exits after SIGTERM")
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tollgate.signal("TERM").await;
+    let status = tollgate.wait_exit().await;
+    assert_eq!(status.code(), Some(0), "{}", tollgate.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,36 +379,23 @@ async fn binary_raises_its_descriptor_limit_and_holds_more_connections_than_the_
     let (_, hard) = open_files_limits(std::process::id());
     // The kernel caps a soft limit at fs.nr_open, so an unlimited hard one is not given.
     let hard = hard.min(65_536);
-    if hard < 1024
-        || std::process::Command::new("prlimit")
-            .arg("--version")
-            .output()
-            .is_err()
-    {
-        eprintln!("skipped: needs prlimit (util-linux) and a hard open-file limit >= 1024");
-        return;
-    }
-    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_file(
-        dir.path(),
-        "tollgate.toml",
-        &format!("[proxy]\n{ALLOW_LOOPBACK}"),
-    );
-    let nofile = format!("--nofile=256:{hard}");
-    let wrapped = tollgate_via(
-        "prlimit",
-        &[nofile.as_str(), "--", env!("CARGO_BIN_EXE_tollgate")],
-    );
-    let (child, listen) = run_listening(wrapped, &config).await;
-    // prlimit execs tollgate: the same process.
-    let pid = child.id().expect("running");
-    assert_eq!(open_files_limits(pid), (hard, hard));
-    let table = proc_status(pid, "FDSize:");
     assert!(
-        table >= hard.min(tollgate::descriptors::TABLE_AT_START),
-        "descriptor table {table}"
+        hard >= 1024,
+        "this test needs a hard open-file limit of at least 1024 (ulimit -Hn), not {hard}"
     );
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let nofile = format!("--nofile=256:{hard}");
+    // prlimit (util-linux, in every Debian) execs tollgate: the same process.
+    let tollgate = Tollgate::launch("[proxy]\n")
+        .via("prlimit", &[nofile.as_str(), "--"])
+        .start()
+        .await;
+    let (pid, listen) = (tollgate.pid(), tollgate.addr);
+    assert_eq!(open_files_limits(pid), (hard, hard));
+    // The table is grown at start to 16 384 descriptors (or the limit, when lower), so
+    // the first thousands of connections never wait for it to be copied.
+    let table = proc_status(pid, "FDSize:");
+    assert!(table >= hard.min(16_384), "descriptor table {table}");
 
     // 300 connections open at once, more than the soft limit the binary was given.
     const CLIENTS: usize = 300;
@@ -489,5 +421,4 @@ async fn binary_raises_its_descriptor_limit_and_holds_more_connections_than_the_
     paths.sort_by_key(|p| p[1..].parse::<usize>().unwrap());
     let expected: Vec<_> = (0..CLIENTS).map(|i| format!("/{i}")).collect();
     assert_eq!(paths, expected);
-    drop(child); // kill_on_drop
 }

@@ -159,48 +159,17 @@ fn without_colours(text: &str) -> String {
     out
 }
 
-/// Reads `/metrics` from an admin listener with a raw request.
-async fn metrics(admin: std::net::SocketAddr) -> Option<String> {
-    let mut stream = TcpStream::connect(admin).await.ok()?;
-    let get = "GET /metrics HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n";
-    stream.write_all(get.as_bytes()).await.ok()?;
-    let mut all = Vec::new();
-    stream.read_to_end(&mut all).await.ok()?;
-    Some(String::from_utf8_lossy(&all).into_owned())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_answers_every_queued_client_on_sigterm_and_exits_0_soon_after_the_grace() {
     let upstream = Upstream::start(|_| Reply::ok("served")).await;
-    let dir = tempfile::tempdir().unwrap();
-    let (listen, admin) = (closed_addr(), closed_addr());
-    let config = write_file(
-        dir.path(),
-        "tollgate.toml",
-        &format!(
-            "[proxy]\nlisten = \"{listen}\"\nshutdown_grace = \"1s\"\n\
-             [admin]\nlisten = \"{admin}\"\n\
-             [[route]]\nprefix = \"/r/\"\nupstream = \"{}\"\n\
-             [[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\nmax_wait = \"1h\"\n{ALLOW_LOOPBACK}",
-            upstream.url("/")
-        ),
-    );
-    let mut child = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "info")])
-        .arg("--config")
-        .arg(&config)
-        .env_remove("TOLLGATE_CONFIG")
-        .env_remove("TOLLGATE_LISTEN")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("tollgate runs");
-    let deadline = Instant::now() + BOUND;
-    while TcpStream::connect(listen).await.is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "tollgate exited early");
-        assert!(Instant::now() < deadline, "tollgate never listened");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut tollgate = Tollgate::start(&format!(
+        "[proxy]\nshutdown_grace = \"1s\"\n{ADMIN_ON_PORT_0}\
+         [[route]]\nprefix = \"/r/\"\nupstream = \"{}\"\n\
+         [[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/min\"\nmax_wait = \"1h\"\n",
+        upstream.url("/")
+    ))
+    .await;
+    let listen = tollgate.addr;
     const CLIENTS: usize = 50;
     let mut first = queue_http1(listen, "first").await;
     assert_eq!(read_response(&mut first).await.status, 200);
@@ -208,33 +177,20 @@ async fn binary_answers_every_queued_client_on_sigterm_and_exits_0_soon_after_th
     for i in 0..CLIENTS {
         clients.push(queue_http1(listen, &format!("{i}")).await);
     }
-    let queued = format!("tollgate_queue_depth{{group=\"slow\"}} {CLIENTS}\n");
-    loop {
-        if metrics(admin).await.is_some_and(|m| m.contains(&queued)) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{CLIENTS} never queued");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    tollgate
+        .wait_metric("tollgate_queue_depth{group=\"slow\"}", CLIENTS as f64)
+        .await;
 
-    let pid = child.id().expect("running").to_string();
     let signalled = Instant::now();
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    tollgate.signal("TERM").await;
     let answers: Vec<_> = clients
         .into_iter()
         .map(|mut stream| tokio::spawn(async move { read_response(&mut stream).await }))
         .collect();
-    let out = tokio::time::timeout(BOUND, child.wait_with_output())
-        .await
-        .expect("tollgate exits after SIGTERM")
-        .unwrap();
+    let status = tollgate.wait_exit().await;
     let took = signalled.elapsed();
-    let stderr = without_colours(&String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let stderr = without_colours(&tollgate.log());
+    assert_eq!(status.code(), Some(0), "{stderr}");
     for (i, answer) in answers.into_iter().enumerate() {
         let resp = answer.await.unwrap();
         let who = format!("client {i}");

@@ -57,8 +57,26 @@ impl Drop for Silent {
     }
 }
 
-/// A loopback address nothing listens on: a port that was bound and released.
-pub fn closed_addr() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().unwrap()
+/// A loopback port that refuses connections, held for as long as the guard lives: its
+/// socket is bound but never listens, so a connection gets a reset and no other socket
+/// can take the port meanwhile (a port bound and released could be reused by anyone).
+pub struct ClosedPort(tokio::net::TcpSocket);
+
+impl ClosedPort {
+    pub fn new() -> ClosedPort {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind("127.0.0.1:0".parse().unwrap()).expect("bind");
+        ClosedPort(socket)
+    }
+
+    /// Its address: connections to it are refused.
+    pub fn addr(&self) -> SocketAddr {
+        self.0.local_addr().expect("bound")
+    }
+}
+
+impl Default for ClosedPort {
+    fn default() -> ClosedPort {
+        ClosedPort::new()
+    }
 }

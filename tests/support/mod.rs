@@ -10,6 +10,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+mod binary;
 mod bodies;
 mod clients;
 mod misbehave;
@@ -20,7 +21,7 @@ mod waits;
 
 // Each test file uses a different part.
 #[allow(unused_imports)]
-pub use {bodies::*, clients::*, misbehave::*, proxy::*, tls::*, upstream::*, waits::*};
+pub use {binary::*, bodies::*, clients::*, misbehave::*, proxy::*, tls::*, upstream::*, waits::*};
 
 /// 127.0.0.1, where everything listens unless a test asks for another loopback address.
 pub const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
