@@ -67,6 +67,8 @@ pub struct Metrics {
     pub config_reloads: Counter,
     /// Reloads refused (an invalid file, a change that needs a restart).
     pub config_reload_failures: Counter,
+    /// Client connections open now (see [`Metrics::connection_opened`]).
+    client_connections: Gauge,
     registry: Mutex<Registry>,
     queue_depth: Family<GroupLabel, Gauge>,
     in_flight: Family<GroupLabel, Gauge>,
@@ -80,6 +82,15 @@ pub struct Metrics {
     upstream_duration: HistogramFamily,
     upstream_errors: Family<KindLabels, Counter>,
     learned: Family<LearnedLabels, RateGauge>,
+}
+
+/// A client connection counted in `tollgate_client_connections` while it lives.
+pub struct OpenConnection(Gauge);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// One group's metric handles (clones share the underlying atomics).
@@ -283,6 +294,12 @@ impl Metrics {
             "Reloads refused: nothing changed (the log says why)",
             config_reload_failures.clone(),
         );
+        let client_connections = Gauge::default();
+        registry.register(
+            "tollgate_client_connections",
+            "Client connections open now, idle ones and those with a request waiting",
+            client_connections.clone(),
+        );
         let learned = Family::<LearnedLabels, RateGauge>::default();
         registry.register(
             "tollgate_learned_rate",
@@ -292,6 +309,7 @@ impl Metrics {
         Metrics {
             config_reloads,
             config_reload_failures,
+            client_connections,
             upstream_responses,
             upstream_duration,
             upstream_errors,
@@ -306,6 +324,13 @@ impl Metrics {
             retries,
             passed_through,
         }
+    }
+
+    /// Counts a client connection as open until the guard drops (however its task
+    /// ends: closed, drained or cut).
+    pub fn connection_opened(&self) -> OpenConnection {
+        self.client_connections.inc();
+        OpenConnection(self.client_connections.clone())
     }
 
     /// The handles of group `name`, creating its series.

@@ -271,7 +271,11 @@ async fn serve(
             first_byte: None,
             sending: None,
         };
-        connections.spawn(client.serve(stream));
+        let open = proxy.metrics().connection_opened();
+        connections.spawn(async move {
+            client.serve(stream).await;
+            drop(open);
+        });
     }
     drop(listener);
 

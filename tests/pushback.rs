@@ -113,7 +113,8 @@ async fn rfc850_and_asctime_dates_work_too() {
                 return Reply::ok("ok");
             }
             let date = httpdate::fmt_http_date(now);
-            let later = httpdate::HttpDate::from(now + Duration::from_secs(1));
+            // Three seconds on: the fallback backoff (< 1 s) cannot pass for it.
+            let later = httpdate::HttpDate::from(now + Duration::from_secs(3));
             let retry = format_obsolete(later, form);
             Reply::status(429)
                 .header("date", &date)
@@ -129,15 +130,15 @@ async fn rfc850_and_asctime_dates_work_too() {
         assert_eq!(resp.status(), 200, "{form}");
         let arrivals = arrivals.lock().unwrap().clone();
         assert_eq!(arrivals.len(), 2, "{form}");
-        // The retry comes in the second the refusal named (whole seconds: it names
-        // the second after the refusal's), not a whole second after it.
+        // The retry comes in the second the refusal named or later (a date names whole
+        // seconds: the third after the refusal's), not after a fallback backoff.
         let named = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_secs();
-        let retried = arrivals[1] + Duration::from_millis(20);
-        assert_eq!(
-            named(retried),
-            named(arrivals[0]) + 1,
-            "{form}: {arrivals:?}"
+        assert!(
+            named(arrivals[1]) >= named(arrivals[0]) + 3,
+            "{form}: retried before the date it was given: {arrivals:?}"
         );
+        let gap = arrivals[1].duration_since(arrivals[0]).unwrap();
+        assert!(gap < Duration::from_secs(30), "{form}: {gap:?}");
     }
 }
 
@@ -167,25 +168,26 @@ fn format_obsolete(date: httpdate::HttpDate, form: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_past_date_means_now_and_garbage_means_backoff() {
+    // A date in the past is a pause of zero: the pause histogram counts it in its
+    // lowest bucket, where the fallback backoff (0.5 s at least) never lands.
     let past = refusing(1, || {
         Reply::status(429).header("retry-after", "Sun, 06 Nov 1994 08:49:37 GMT")
     })
     .await;
-    let proxy = start_proxy(GROUP).await;
+    let proxy = start_proxy_with_admin(GROUP).await;
     let client = reqwest_via(&proxy, None);
     assert_eq!(
         client.get(past.url("/x")).send().await.unwrap().status(),
         200
     );
-    assert!(
-        retry_gap(&past) < Duration::from_secs(1),
-        "{:?}",
-        retry_gap(&past)
-    );
+    assert_eq!(past.requests().len(), 2);
+    let metrics = admin_get(&proxy, "/metrics").await;
+    let lowest = r#"tollgate_upstream_pause_seconds_bucket{le="0.01",group="api"} 1"#;
+    assert!(metrics.lines().any(|l| l == lowest), "{metrics}");
 
     // Garbage: the first backoff step is 0.5–1 s.
     let garbage = refusing(1, || Reply::status(429).header("retry-after", "soon-ish")).await;
-    let proxy = start_proxy(GROUP).await;
+    let proxy = start_proxy_with_admin(GROUP).await;
     let client = reqwest_via(&proxy, None);
     assert_eq!(
         client.get(garbage.url("/x")).send().await.unwrap().status(),
@@ -193,6 +195,9 @@ async fn a_past_date_means_now_and_garbage_means_backoff() {
     );
     let gap = retry_gap(&garbage);
     assert!(gap >= Duration::from_millis(495), "{gap:?}");
+    let metrics = admin_get(&proxy, "/metrics").await;
+    let below = r#"tollgate_upstream_pause_seconds_bucket{le="0.32",group="api"} 0"#;
+    assert!(metrics.lines().any(|l| l == below), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,25 +243,30 @@ async fn nothing_of_the_group_is_sent_during_a_pause_and_order_is_kept() {
         tokio::spawn(async move { client.get(url).send().await.unwrap().status() })
     };
     upstream.wait_for_requests(1).await;
-    let rest: Vec<_> = (1..5)
-        .map(|i| {
-            let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
-            tokio::spawn(async move { client.get(url).send().await.unwrap().status() })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let status = admin_get(&proxy, "/status").await;
-    assert!(status.contains(r#""paused_for_seconds": 0."#), "{status}");
+    // Queued one at a time, so their order is known: /1 first, /4 last.
+    let mut rest = Vec::new();
+    for i in 1..5 {
+        let (client, url) = (client.clone(), upstream.url(&format!("/{i}")));
+        rest.push(tokio::spawn(async move {
+            client.get(url).send().await.unwrap().status()
+        }));
+        wait_queued(&proxy, "api", i + 1).await;
+    }
     assert_eq!(first.await.unwrap(), 200);
     for r in rest {
         assert_eq!(r.await.unwrap(), 200);
     }
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains("tollgate_upstream_pauses_total{group=\"api\"} 1\n"),
+        "{metrics}"
+    );
 
     let seen = upstream.requests();
     let paths: Vec<_> = seen.iter().map(|s| s.path.as_str()).collect();
-    // The refused request went back to the head: it is the first one after the pause.
-    assert_eq!(paths[..2], ["/0", "/0"]);
-    assert_eq!(seen.len(), 6);
+    // The refused request went back to the head: it is the first one after the pause,
+    // and the others follow in the order they came.
+    assert_eq!(paths, ["/0", "/0", "/1", "/2", "/3", "/4"]);
     let refused_at = seen[0].at;
     for s in &seen[1..] {
         assert!(

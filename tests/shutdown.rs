@@ -145,11 +145,14 @@ async fn idle_keep_alive_client_does_not_hold_up_shutdown() {
 async fn a_client_that_sent_nothing_does_not_hold_up_shutdown() {
     // A health check's TCP connect, a browser's preconnect: connected, nothing sent yet.
     // It has asked nothing, so shutdown closes it at once instead of waiting an hour.
-    let proxy =
-        start_proxy("[proxy]\nshutdown_grace = \"1h\"\nclient_header_timeout = \"1h\"\n").await;
+    let proxy = start_proxy_with_admin(
+        "[proxy]\nshutdown_grace = \"1h\"\nclient_header_timeout = \"1h\"\n",
+    )
+    .await;
     let mut silent = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    // Once the proxy has accepted it (the version peek is waiting), shut down.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Once the proxy has accepted it (the version peek is waiting), shut down: a
+    // connection still in the listen queue would pass without proving anything.
+    wait_metric_line(&proxy, "tollgate_client_connections 1").await;
     proxy.shutdown().await;
     let mut byte = [0u8; 1];
     let read = tokio::time::timeout(BOUND, silent.read(&mut byte))

@@ -224,7 +224,8 @@ pub struct AdminConfig {
 pub struct BackendConfig {
     /// `memory` (this process only) or `redis` (shared by every replica using it).
     pub kind: BackendKind,
-    /// `redis://[:password@]host:port/db` or `rediss://` for TLS.
+    /// `redis://[:password@]host:port/db`, `rediss://` for TLS, or
+    /// `unix:///path/to/redis.sock`.
     pub url: Option<RedisUrl>,
     /// Prefix of every key tollgate writes.
     pub key_prefix: String,

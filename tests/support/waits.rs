@@ -23,6 +23,23 @@ pub async fn wait_queued(proxy: &Proxy, group: &str, n: usize) {
     }
 }
 
+/// Waits until `/metrics` on the admin listener has a line that is exactly `line`
+/// (name, labels and value); returns the metrics text.
+pub async fn wait_metric_line(proxy: &Proxy, line: &str) -> String {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let metrics = admin_get(proxy, "/metrics").await;
+        if metrics.lines().any(|l| l == line) {
+            return metrics;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/metrics never showed {line:?}:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Asserts that `status` came with a `Proxy-Status: tollgate; error=<error>` header
 /// and a non-empty `text/plain` body; returns the body text.
 pub fn assert_proxy_error(
@@ -62,21 +79,46 @@ pub fn arrivals(upstream: &Upstream) -> Vec<Instant> {
     at
 }
 
-/// No two arrivals closer than the rate allows: for every pair i < j the upstream saw
-/// them at least (j − i)·interval apart, minus `slack` for delivery noise. tollgate
-/// dispatches on exact slots, but a request can reach the upstream late (a new
-/// connection, a busy machine), making its gap to the next one look short; a request
-/// that left early would show up as a gap near zero.
-pub fn assert_paced(arrivals: &[Instant], interval: Duration, slack: Duration) {
-    for i in 0..arrivals.len() {
-        for j in i + 1..arrivals.len() {
-            let gap = arrivals[j] - arrivals[i];
-            let floor = interval * (j - i) as u32;
-            assert!(
-                gap + slack >= floor,
-                "arrivals {i} and {j} are {gap:?} apart; the rate allows no less than {floor:?}"
-            );
-        }
+/// Asserts that `arrivals` (sorted) kept to one per `interval` after a first `burst`,
+/// with statistics a loaded machine does not fake and a limiter that lets requests out
+/// early cannot pass:
+///
+/// * the span: N arrivals take at least N − burst − 1 intervals (one interval of room
+///   for a first request that reached the upstream late);
+/// * any window of ten intervals holds at most burst + 10 (+1 for a request that
+///   arrived late, next to the one after it);
+/// * the median gap between neighbours is between half and one and a half intervals:
+///   tollgate sends on absolute slots, so a late request does not move the next ones,
+///   while a limiter that bursts shows a median near zero and one that stalls a long
+///   one.
+///
+/// A single pair closer than the interval proves nothing: one request delivered late
+/// makes its gap to the next one short.
+pub fn assert_paced(arrivals: &[Instant], interval: Duration, burst: usize) {
+    let n = arrivals.len();
+    assert!(n >= 2, "too few arrivals to judge a pace: {n}");
+    let span = arrivals[n - 1] - arrivals[0];
+    let floor = interval * n.saturating_sub(burst + 1) as u32;
+    assert!(
+        span >= floor,
+        "{n} arrivals spanned {span:?}; one per {interval:?} after a burst of {burst} takes {floor:?}"
+    );
+    let window = interval * 10;
+    let busiest = max_in_window(arrivals, window);
+    assert!(
+        busiest <= burst + 10 + 1,
+        "{busiest} arrivals within {window:?}; the rate allows {} (burst {burst})",
+        burst + 10
+    );
+    let paced = &arrivals[burst.min(n - 1)..];
+    if paced.len() > 5 {
+        let mut gaps: Vec<Duration> = paced.windows(2).map(|w| w[1] - w[0]).collect();
+        gaps.sort();
+        let median = gaps[gaps.len() / 2];
+        assert!(
+            median >= interval / 2 && median <= interval * 3 / 2,
+            "median gap {median:?} for an interval of {interval:?}; gaps: {gaps:?}"
+        );
     }
 }
 
