@@ -71,12 +71,10 @@ async fn shared_rate(instances: usize) {
         busiest <= 22,
         "{busiest} requests reached the upstream within 1 s"
     );
-    // ...and at least 95 % of it: 59 intervals of 50 ms take no more than 3.1 s.
-    let span = at[59] - at[0];
-    assert!(
-        span <= Duration::from_millis(3105),
-        "60 requests took {span:?}"
-    );
+    // ...and the pace itself, as one budget spent by all: the span, the busiest ten
+    // intervals and a median gap near 50 ms (a replica that waited for others' slots
+    // would double it).
+    assert_paced(&at, Duration::from_millis(50), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,10 +234,10 @@ async fn a_frozen_redis_never_holds_a_request_past_the_timeout() {
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
-        // The 300 ms timeout, the 10 ms pace and the exchange: below a second,
-        // where a request stuck on Redis would never be answered at all.
+        // The 300 ms timeout, the 10 ms pace and the exchange, with room for a busy
+        // machine: a request stuck on the frozen Redis would never be answered at all.
         assert!(
-            started.elapsed() < Duration::from_secs(1),
+            started.elapsed() < Duration::from_secs(5),
             "{:?}",
             started.elapsed()
         );
