@@ -509,7 +509,6 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
     // stays open while the tunnel is, past client_header_timeout (an h2 connection with
     // no stream open closes after it). The connection inside is kept busy: idle for as
     // long, it would close like any keep-alive connection.
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
     let ca = InterceptCa::new();
@@ -526,21 +525,7 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
     let paths: Vec<String> = (0..10).map(|i| format!("/r{i}")).collect();
     for path in &paths {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let request = format!(
-            "GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n",
-            upstream.authority()
-        );
-        tunnel.write_all(request.as_bytes()).await.unwrap();
-        let mut got = Vec::new();
-        let mut chunk = [0u8; 1024];
-        while !got.ends_with(format!("saw {path}").as_bytes()) {
-            let n = tokio::time::timeout(BOUND, tunnel.read(&mut chunk))
-                .await
-                .expect("an answer through the tunnel")
-                .unwrap_or_else(|e| panic!("{path}: the tunnel broke: {e}"));
-            assert!(n > 0, "{path}: the tunnel closed");
-            got.extend_from_slice(&chunk[..n]);
-        }
+        get_through_tunnel(&mut tunnel, &upstream.authority(), path).await;
     }
     let seen = upstream.requests();
     assert_eq!(upstream.paths(), paths);

@@ -156,7 +156,6 @@ async fn curl_proxytunnel_to_plain_http() {
 async fn an_http2_tunnel_outlives_the_idle_close() {
     // HTTP/2 connections with no request open are closed after client_header_timeout;
     // a CONNECT stream is open for as long as its tunnel, long after its `200`.
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let upstream = Upstream::start(|seen| Reply::ok(format!("saw {}", seen.path))).await;
     let proxy =
@@ -169,22 +168,7 @@ async fn an_http2_tunnel_outlives_the_idle_close() {
         if path == "/after" {
             tokio::time::sleep(std::time::Duration::from_millis(900)).await;
         }
-        let request = format!(
-            "GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n",
-            upstream.authority()
-        );
-        tunnel.write_all(request.as_bytes()).await.unwrap();
-        let mut got = Vec::new();
-        let mut chunk = [0u8; 1024];
-        while !got.ends_with(format!("saw {path}").as_bytes()) {
-            let n = tokio::time::timeout(BOUND, tunnel.read(&mut chunk))
-                .await
-                .expect("an answer through the tunnel")
-                .unwrap_or_else(|e| panic!("{path}: the tunnel broke: {e}"));
-            assert!(n > 0, "{path}: the tunnel closed");
-            got.extend_from_slice(&chunk[..n]);
-        }
-        answers.push(String::from_utf8_lossy(&got).into_owned());
+        answers.push(get_through_tunnel(&mut tunnel, &upstream.authority(), path).await);
     }
     assert!(answers[0].starts_with("HTTP/1.1 200"), "{answers:?}");
     // One tunnel: both requests came on one upstream connection.

@@ -285,3 +285,25 @@ pub async fn read_response_head(stream: &mut TcpStream) -> (RawResponse, Vec<u8>
     };
     (response, rest)
 }
+
+/// Sends `GET path` as plain HTTP/1.1 down an open tunnel to an upstream that answers
+/// `saw <path>`, and reads until that answer has arrived; returns all it read.
+pub async fn get_through_tunnel<T>(tunnel: &mut T, authority: &str, path: &str) -> String
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    tunnel.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !got.ends_with(format!("saw {path}").as_bytes()) {
+        let n = tokio::time::timeout(BOUND, tunnel.read(&mut chunk))
+            .await
+            .expect("an answer through the tunnel")
+            .unwrap_or_else(|e| panic!("{path}: the tunnel broke: {e}"));
+        assert!(n > 0, "{path}: the tunnel closed");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
