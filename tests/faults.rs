@@ -8,19 +8,6 @@ use std::sync::Arc;
 
 use support::*;
 
-/// An upstream that answers the first request with `refusal()` and 200 "ok" after that.
-async fn refusing_once(refusal: impl Fn() -> Reply + Send + Sync + 'static) -> Upstream {
-    let count = Arc::new(AtomicUsize::new(0));
-    Upstream::start(move |_| {
-        if count.fetch_add(1, Ordering::SeqCst) == 0 {
-            refusal()
-        } else {
-            Reply::ok("ok")
-        }
-    })
-    .await
-}
-
 const RETRY_500: &str = r#"
 [[limit]]
 name = "api"
@@ -30,7 +17,7 @@ retry_statuses = [429, 500, 503]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_is_not_replayed_after_a_status_that_may_mean_it_was_processed() {
-    let upstream = refusing_once(|| Reply::status(500).header("retry-after", "0")).await;
+    let upstream = refusing(1, || Reply::status(500).header("retry-after", "0")).await;
     let proxy = start_proxy(RETRY_500).await;
     let client = reqwest_via(&proxy, None);
     let resp = client
@@ -44,7 +31,7 @@ async fn a_post_is_not_replayed_after_a_status_that_may_mean_it_was_processed() 
     assert_eq!(upstream.paths(), ["/charge"]);
 
     // A GET after the same status is replayed: sending it twice is harmless.
-    let upstream = refusing_once(|| Reply::status(500).header("retry-after", "0")).await;
+    let upstream = refusing(1, || Reply::status(500).header("retry-after", "0")).await;
     let resp = client.get(upstream.url("/read")).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(upstream.paths(), ["/read", "/read"]);
@@ -53,8 +40,7 @@ async fn a_post_is_not_replayed_after_a_status_that_may_mean_it_was_processed() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_is_replayed_after_429_and_503_with_retry_after() {
     for status in [429, 503] {
-        let upstream =
-            refusing_once(move || Reply::status(status).header("retry-after", "0")).await;
+        let upstream = refusing(1, move || Reply::status(status).header("retry-after", "0")).await;
         let proxy = start_proxy(RETRY_500).await;
         let resp = reqwest_via(&proxy, None)
             .post(upstream.url("/charge"))
@@ -397,7 +383,7 @@ async fn queued_uploads_stay_within_replay_memory_and_are_all_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_beyond_replay_memory_streams_once_and_is_not_replayed() {
-    let upstream = refusing_once(|| Reply::status(429).header("retry-after", "0")).await;
+    let upstream = refusing(1, || Reply::status(429).header("retry-after", "0")).await;
     let proxy = start_proxy(&format!("[proxy]\nreplay_memory = \"1KiB\"\n{}", RETRY_500)).await;
     let client = reqwest_via(&proxy, None);
     // Within the budget: read ahead, and replayed after the 429.
@@ -411,7 +397,7 @@ async fn a_body_beyond_replay_memory_streams_once_and_is_not_replayed() {
     assert_eq!(upstream.paths(), ["/small", "/small"]);
 
     // Beyond it (though within max_replay_body): sent once, its 429 passed through.
-    let upstream = refusing_once(|| Reply::status(429).header("retry-after", "0")).await;
+    let upstream = refusing(1, || Reply::status(429).header("retry-after", "0")).await;
     let big = client
         .post(upstream.url("/big"))
         .body(vec![b'b'; 2000])

@@ -10,23 +10,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use support::*;
 
-/// An upstream that answers the first `refusals` requests with `refusal()` and 200
-/// "ok" after that.
-async fn refusing(
-    refusals: usize,
-    refusal: impl Fn() -> Reply + Send + Sync + 'static,
-) -> Upstream {
-    let count = Arc::new(AtomicUsize::new(0));
-    Upstream::start(move |_| {
-        if count.fetch_add(1, Ordering::SeqCst) < refusals {
-            refusal()
-        } else {
-            Reply::ok("ok")
-        }
-    })
-    .await
-}
-
 const GROUP: &str = r#"
 [[limit]]
 name = "api"

@@ -482,3 +482,20 @@ async fn answer(
         _in_flight: in_flight,
     }))
 }
+
+/// An upstream that answers the first `refusals` requests with `refusal()` and 200
+/// "ok" after that.
+pub async fn refusing(
+    refusals: usize,
+    refusal: impl Fn() -> Reply + Send + Sync + 'static,
+) -> Upstream {
+    let count = Arc::new(AtomicUsize::new(0));
+    Upstream::start(move |_| {
+        if count.fetch_add(1, Ordering::SeqCst) < refusals {
+            refusal()
+        } else {
+            Reply::ok("ok")
+        }
+    })
+    .await
+}
