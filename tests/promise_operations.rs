@@ -291,3 +291,52 @@ async fn ca_init_writes_the_certificate_and_a_private_key_and_says_how_to_trust_
         assert!(said.contains(&line), "{line:?} in:\n{said}");
     }
 }
+
+/// Runs `tollgate check-config FILE` and returns its exit code and output.
+async fn check_config(file: &std::path::Path) -> (Option<i32>, String) {
+    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[]);
+    cmd.arg("check-config").arg(file);
+    let out = tokio::time::timeout(BOUND, cmd.output())
+        .await
+        .expect("exits")
+        .expect("runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[tokio::test]
+async fn the_shipped_config_the_readme_demo_and_every_value_form_pass_check_config() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (code, said) = check_config(&root.join("config.toml")).await;
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.ends_with("config.toml: ok\n"), "{said}");
+
+    // demo.toml as README's "Try it" writes it, taken from README itself.
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let demo = readme
+        .split_once("cat > demo.toml <<'EOF'\n")
+        .and_then(|(_, rest)| rest.split_once("\nEOF\n"))
+        .map(|(toml, _)| toml)
+        .expect("README's demo.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let (code, said) = check_config(&write_file(dir.path(), "demo.toml", demo)).await;
+    assert_eq!(code, Some(0), "{demo}\n{said}");
+
+    // Durations and sizes in every form README names; a duration over a year is not.
+    let forms = "[proxy]\nconnect_timeout = \"250ms\"\nresponse_timeout = \"10s\"\n\
+                 client_header_timeout = \"5m\"\nshutdown_grace = \"1h 30m\"\n\
+                 replay_memory = \"1MiB\"\n[defaults]\nmax_replay_body = \"64KiB\"\n\
+                 rate = \"100/10s\"\n[[limit]]\nname = \"forms\"\nhosts = [\"a.example\"]\n\
+                 max_replay_body = 4096\nrate = [\"5/s\", \"600/m\", \"5000/h\", \"20000/d\"]\n";
+    let (code, said) = check_config(&write_file(dir.path(), "forms.toml", forms)).await;
+    assert_eq!(code, Some(0), "{said}");
+    let too_long = "[defaults]\nmax_wait = \"400days\"\n";
+    let file = write_file(dir.path(), "long.toml", too_long);
+    let (code, said) = check_config(&file).await;
+    assert_eq!(code, Some(64), "{said}");
+    assert!(said.contains("long.toml:2:"), "{said}");
+}
