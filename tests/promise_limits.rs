@@ -213,11 +213,11 @@ async fn a_route_counts_in_the_group_its_limit_names_else_its_hosts() {
 
 #[tokio::test]
 async fn a_wildcard_matches_names_under_the_domain_not_the_domain_itself() {
-    // Names under `.invalid` never resolve (RFC 6761): a request that leaves its group
-    // ends in tollgate's 502 dns_error, one its group holds back in the 503, which
-    // names the group. No upstream is involved.
+    // `[access] deny` refuses these names when tollgate is about to dial them, before
+    // any DNS: a request that left its group ends in tollgate's 403, one its group
+    // holds back in the 503 that names the group. Nothing is resolved or dialled.
     let config = format!(
-        "[proxy]\nconnect_timeout = \"5s\"\n{}",
+        "{ADMIN_ON_PORT_0}\n[access]\ndeny = [\"*.wild.invalid\", \"wild.invalid\"]\n{}",
         limit(
             "wild",
             &["*.wild.invalid".to_string()],
@@ -225,13 +225,13 @@ async fn a_wildcard_matches_names_under_the_domain_not_the_domain_itself() {
         )
     );
     let tollgate = Tollgate::start(&config).await;
-    let dns_error = |a: &Answer| {
-        a.status == 502
+    let left = |a: &Answer| {
+        a.status == 403
             && a.header("proxy-status")
-                .is_some_and(|p| p.starts_with("tollgate; error=dns_error"))
+                .is_some_and(|p| p.starts_with("tollgate; error=destination_"))
     };
     let a = get(&tollgate, "http://a.wild.invalid/").await;
-    assert!(dns_error(&a), "the group's one request left: {a:?}");
+    assert!(left(&a), "the group's one request left: {a:?}");
     get(&tollgate, "http://b.wild.invalid/")
         .await
         .assert_max_wait("wild");
@@ -240,7 +240,13 @@ async fn a_wildcard_matches_names_under_the_domain_not_the_domain_itself() {
         .assert_max_wait("wild");
     // The domain itself is not under it: a group of its own, with a request to spare.
     let bare = get(&tollgate, "http://wild.invalid/").await;
-    assert!(dns_error(&bare), "{bare:?}");
+    assert!(left(&bare), "{bare:?}");
+    assert_eq!(tollgate.metric(&outcome("wild", "admitted")).await, 1.0);
+    assert_eq!(tollgate.metric(&outcome("wild", "max_wait")).await, 2.0);
+    assert_eq!(
+        tollgate.metric(&outcome("wild.invalid", "admitted")).await,
+        1.0
+    );
 }
 
 #[tokio::test]
