@@ -121,7 +121,8 @@ pub fn span(at: &[std::time::Instant]) -> Duration {
 /// Asserts that `at` (sorted departures as the upstream saw them) keep to `per_second`
 /// with `burst` on a loaded machine: the span of the arrivals after the burst is at
 /// least what the rate allows, less 10 %; no window of a second holds more than the
-/// rate and the burst allow (+1 for a window that straddles a slot).
+/// rate and the burst allow, +1 for delivery noise (a request delivered late makes
+/// the window from it look crowded).
 pub fn assert_kept_to(at: &[std::time::Instant], per_second: f64, burst: usize) {
     let paced = &at[burst.saturating_sub(1).min(at.len())..];
     let floor = Duration::from_secs_f64((paced.len().max(1) - 1) as f64 / per_second * 0.9);
@@ -132,7 +133,7 @@ pub fn assert_kept_to(at: &[std::time::Instant], per_second: f64, burst: usize) 
         span(paced)
     );
     let most = max_in_window(at, Duration::from_secs(1));
-    let allowed = per_second.ceil() as usize + burst;
+    let allowed = per_second.ceil() as usize + burst + 1;
     assert!(
         most <= allowed,
         "{most} departures within one second; {per_second}/s with burst {burst} allows {allowed}"
