@@ -7,7 +7,7 @@ mod support;
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use promises::*;
+use promises::{outcome, send};
 use support::*;
 
 #[tokio::test]

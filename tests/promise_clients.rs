@@ -14,7 +14,7 @@ mod support;
 
 use std::path::PathBuf;
 
-use promises::*;
+use promises::assert_kept_to;
 use support::*;
 
 /// The group's rate in these tests: five requests span at least 0.4 s through it.

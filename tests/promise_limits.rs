@@ -8,7 +8,7 @@
 mod promises;
 mod support;
 
-use promises::*;
+use promises::{assert_kept_to, client, get, get_n, group_status, outcome, send, Answer};
 use support::*;
 
 /// A `[[limit]]` table for the hosts `hosts` with `extra` lines.

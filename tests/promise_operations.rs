@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use promises::*;
+use promises::{client, get, group_status, send};
 use support::*;
 
 #[tokio::test]

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use promises::*;
+use promises::{assert_kept_to, client, get, group_status, outcome, send, Answer};
 use support::*;
 
 /// `[admin]` on port 0 and one `[[limit]]` named `name` for `upstream`.
