@@ -297,3 +297,43 @@ async fn defaults_are_inherited_by_every_limit_and_by_hosts_in_none() {
     assert_eq!(listed.requests().len(), 3);
     assert_eq!(unlisted.requests().len(), 2);
 }
+
+#[tokio::test]
+async fn a_group_s_requests_leave_in_arrival_order_and_other_groups_flow_meanwhile() {
+    // One in flight at a time, and the first holds its place upstream for 3 s: the
+    // rest queue behind it, one by one, in a known order.
+    let held = Upstream::start(|s| {
+        let delay = if s.path == "/hold" { 3000 } else { 0 };
+        Reply::ok("ok").delay(std::time::Duration::from_millis(delay))
+    })
+    .await;
+    let other = Upstream::start(|_| Reply::ok("ok")).await;
+    let config = format!(
+        "{ADMIN_ON_PORT_0}{}{}",
+        limit("held", &[held.authority()], "concurrency = 1"),
+        limit("other", &[other.authority()], "concurrency = 1"),
+    );
+    let tollgate = Tollgate::start(&config).await;
+    let client = client(&tollgate);
+    let start = |path: &str| {
+        let (client, url) = (client.clone(), held.url(path));
+        tokio::spawn(async move { send(&client, "GET", &url).await.status })
+    };
+    let mut calls = vec![start("/hold")];
+    held.wait_for_requests(1).await;
+    for i in 1..=5 {
+        calls.push(start(&format!("/q{i}")));
+        tollgate
+            .wait_metric("tollgate_queue_depth{group=\"held\"}", i as f64)
+            .await;
+    }
+    // Another group is not held up: its requests are answered while /hold is out.
+    assert_eq!(get_n(&tollgate, &other.url("/free"), 3).await, [200; 3]);
+    assert_eq!(held.in_flight(), 1, "/hold is still out");
+    assert_eq!(held.paths(), ["/hold"]);
+
+    for call in calls {
+        assert_eq!(call.await.unwrap(), 200);
+    }
+    assert_eq!(held.paths(), ["/hold", "/q1", "/q2", "/q3", "/q4", "/q5"]);
+}
