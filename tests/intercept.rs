@@ -257,16 +257,7 @@ async fn python_requests_and_aiohttp_through_https_proxy() {
         ("SSL_CERT_FILE", ca.cert_str()),
     ];
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let script = format!(
-        r#"
-import requests
-s = requests.Session()
-for i in range(5):
-    r = s.get("{}" + str(i))
-    print(r.status_code, r.text)
-"#,
-        upstream.url("/py")
-    );
+    let script = requests_script(&upstream.url("/py"), 5);
     let out = python(&script, &env).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     let expected: String = (0..5).map(|i| format!("200 /py{i}\n")).collect();

@@ -77,16 +77,7 @@ async fn python_requests_and_aiohttp_read_upper_case_http_proxy_and_no_proxy() {
     .await;
     let proxy = tollgate.url();
     let env = [("HTTP_PROXY", proxy.as_str())];
-    let script = format!(
-        r#"
-import requests
-s = requests.Session()
-for i in range(5):
-    r = s.get("{}" + str(i))
-    print(r.status_code, r.text)
-"#,
-        upstream.url("/requests")
-    );
+    let script = requests_script(&upstream.url("/requests"), 5);
     let out = python(&script, &env).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     let expected: String = (0..5).map(|i| format!("200 /requests{i}\n")).collect();
@@ -94,19 +85,7 @@ for i in range(5):
     assert_sent_on_and_paced(&upstream, "/requests", 5);
 
     // aiohttp reads the variables with trust_env=True; five at once leave paced.
-    let script = format!(
-        r#"
-import asyncio, aiohttp
-async def main():
-    async with aiohttp.ClientSession(trust_env=True) as s:
-        async def one(i):
-            async with s.get("{}" + str(i)) as r:
-                return r.status
-        print(sorted(await asyncio.gather(*(one(i) for i in range(5)))))
-asyncio.run(main())
-"#,
-        upstream.url("/aiohttp")
-    );
+    let script = aiohttp_script(&upstream.url("/aiohttp"), 5);
     let out = python(&script, &env).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(out.stdout, "[200, 200, 200, 200, 200]\n");
@@ -243,19 +222,7 @@ for i in range(5):
     assert_sent_on_and_paced(&it.tls, "/requests", 5);
 
     // aiohttp (trust_env=True) and urllib with SSL_CERT_FILE alone.
-    let script = format!(
-        r#"
-import asyncio, aiohttp
-async def main():
-    async with aiohttp.ClientSession(trust_env=True) as s:
-        async def one(i):
-            async with s.get("{}" + str(i)) as r:
-                return r.status
-        print(sorted(await asyncio.gather(*(one(i) for i in range(5)))))
-asyncio.run(main())
-"#,
-        it.tls.url("/aiohttp")
-    );
+    let script = aiohttp_script(&it.tls.url("/aiohttp"), 5);
     let out = python(&script, &env).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(out.stdout, "[200, 200, 200, 200, 200]\n");

@@ -307,3 +307,36 @@ where
     }
     String::from_utf8_lossy(&got).into_owned()
 }
+
+/// A Python script that GETs `{url_prefix}0` … `{url_prefix}{n-1}` one after the other
+/// on one `requests` session (which reads the proxy variables) and prints
+/// `status body` for each.
+pub fn requests_script(url_prefix: &str, n: usize) -> String {
+    format!(
+        r#"
+import requests
+s = requests.Session()
+for i in range({n}):
+    r = s.get("{url_prefix}" + str(i))
+    print(r.status_code, r.text)
+"#
+    )
+}
+
+/// A Python script that GETs `{url_prefix}0` … `{url_prefix}{n-1}` all at once with
+/// aiohttp (`trust_env=True`: it reads the proxy variables) and prints the sorted
+/// statuses.
+pub fn aiohttp_script(url_prefix: &str, n: usize) -> String {
+    format!(
+        r#"
+import asyncio, aiohttp
+async def main():
+    async with aiohttp.ClientSession(trust_env=True) as s:
+        async def one(i):
+            async with s.get("{url_prefix}" + str(i)) as r:
+                return r.status
+        print(sorted(await asyncio.gather(*(one(i) for i in range({n})))))
+asyncio.run(main())
+"#
+    )
+}
