@@ -24,7 +24,8 @@ use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
 use super::rate::Rates;
-use super::store::{Slot, Store};
+use super::redis::{Learning, Reservation};
+use super::store::{Slot, Store, SHARED_MARGIN};
 use crate::config::GroupSettings;
 use crate::metrics::GroupMetrics;
 
@@ -77,6 +78,36 @@ pub(super) struct State {
     pub(super) pause: Pause,
     adaptive: Adaptive,
     learner: Learner,
+    /// The learned state changed here and the shared store has not been told yet: the
+    /// next booking publishes it.
+    publish: bool,
+    /// The group's bookings in the shared store within the announced window, as its
+    /// last booking here counted them, and when.
+    booked_in_window: Option<(u64, Instant)>,
+}
+
+/// Bookings are counted in the shared store for announced quotas up to this many per
+/// window (one entry each).
+const COUNTED_QUOTA: u64 = 10_000;
+
+impl State {
+    /// What the next booking in the shared store publishes of the learning done here
+    /// (taken: published once), and the window to count the group's bookings over.
+    pub(super) fn learning(&mut self) -> Learning {
+        let publish = std::mem::take(&mut self.publish)
+            .then(|| self.learner.shared())
+            .flatten()
+            .map(|shared| {
+                let per_second = (shared.rate() * SHARED_MARGIN).max(1e-6);
+                (shared, Duration::from_secs_f64(1.0 / per_second))
+            });
+        let window = self
+            .learner
+            .announced_budget()
+            .filter(|(quota, _)| *quota <= COUNTED_QUOTA)
+            .map(|(_, window)| window);
+        Learning { publish, window }
+    }
 }
 
 /// A head whose slot is at least this far off sleeps on a kernel timer
@@ -139,6 +170,8 @@ impl Group {
                 pause: Pause::default(),
                 adaptive: Adaptive::new(&settings, now),
                 learner: Learner::new(now),
+                publish: false,
+                booked_in_window: None,
             }),
             store,
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -430,18 +463,56 @@ impl Group {
     }
 
     /// Whether a spent budget (`Remaining: 0`) should pause the group now
-    /// ([`learn::spent_budget_pauses`]).
+    /// ([`learn::spent_budget_pauses`]). The group's own share of the window is what
+    /// the shared store counted at this replica's last booking, while that is recent;
+    /// else this replica's estimate from the answers it saw.
     pub fn spent_budget_pauses(&self) -> bool {
         let state = self.lock();
+        let now = Instant::now();
         let announced = state.learner.announced_budget();
         let ours = announced.map_or(0, |(_, window)| {
-            state.learner.accepted_within(Instant::now(), window)
+            match state.booked_in_window {
+                Some((booked, at)) if now - at < window && booked > 0 => booked,
+                _ => state.learner.accepted_within(now, window),
+            }
         });
         learn::spent_budget_pauses(state.rates.pace(), announced, ours)
     }
 
-    /// The learned rate changed: the rates and the metric follow.
+    /// What the shared store answered a booking that published `learning` (`None`: it
+    /// did not answer): the learned rate in force there is adopted, the count of
+    /// bookings kept, and what did not reach it (or what it no longer has) is
+    /// published again with the next booking.
+    pub(super) fn shared_learning(&self, booked: Option<&Reservation>, learning: Learning) {
+        let mut state = self.lock();
+        let Some(booking) = booked else {
+            state.publish |= learning.publish.is_some();
+            return;
+        };
+        let now = Instant::now();
+        state.booked_in_window = Some((booking.booked_in_window, now));
+        match booking.learned {
+            // Learned here since the booking left: that goes out with the next one.
+            _ if state.publish => {}
+            Some(shared) => {
+                if state.learner.adopt(shared, now) {
+                    self.apply_learned(&mut state);
+                }
+            }
+            None => state.publish = state.learner.shared().is_some(),
+        }
+    }
+
+    /// The learned rate changed here: the rates and the metric follow, and the shared
+    /// store is told with the next booking.
     fn relearn(&self, state: &mut State) {
+        state.publish = true;
+        self.apply_learned(state);
+    }
+
+    /// The learned rate changed (here or in the shared store): the rates and the
+    /// metric follow.
+    fn apply_learned(&self, state: &mut State) {
         let learned = state.learner.rate();
         state.rates.set_learned(learned.map(|(rate, _)| rate));
         for (gauge, source) in self

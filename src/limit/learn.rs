@@ -77,6 +77,41 @@ pub struct Announced {
     pub source: Source,
 }
 
+/// What replicas sharing a store share of their learning ([`Learner::shared`]): the
+/// learned rate before margin, the step it is at, and its source. The replica that
+/// learns publishes it with its next booking; every replica books against it and
+/// adopts it ([`Learner::adopt`]), so that they pace as one group and step down once
+/// per refusal episode, not once per replica.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shared {
+    /// The learned rate before margin and steps, per second.
+    pub base: f64,
+    /// The fraction of `base` in force.
+    pub factor: f64,
+    /// Where it comes from.
+    pub source: Source,
+}
+
+impl Shared {
+    /// The rate in force, per second (margin included).
+    pub fn rate(&self) -> f64 {
+        self.base * self.factor * MARGIN
+    }
+}
+
+impl Source {
+    /// The source named by [`Source::as_str`].
+    pub fn parse(text: &str) -> Option<Source> {
+        [
+            Source::RatelimitPolicy,
+            Source::LimitAndReset,
+            Source::Refusals,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == text)
+    }
+}
+
 /// What a group has learned about its upstream's budget.
 #[derive(Debug, Clone)]
 pub struct Learner {
@@ -152,6 +187,39 @@ impl Learner {
     pub fn rate(&self) -> Option<(f64, Source)> {
         self.base
             .map(|(rate, source)| (rate * self.factor * MARGIN, source))
+    }
+
+    /// The learned state to share with other replicas; `None` until something is
+    /// learned.
+    pub fn shared(&self) -> Option<Shared> {
+        self.base.map(|(base, source)| Shared {
+            base,
+            factor: self.factor,
+            source,
+        })
+    }
+
+    /// Takes the learned state another replica published (or this one, read back).
+    /// Returns whether the rate in force moved. From now on it is the rate in force:
+    /// a refusal of a request sent before says nothing about it, a step down counts
+    /// from now (a lower rate adopted is the step of this episode), and so does the
+    /// next calm interval (one climb per calm interval for the whole group, not one
+    /// per replica).
+    pub fn adopt(&mut self, shared: Shared, now: Instant) -> bool {
+        let valid = shared.base.is_finite() && shared.base > 0.0 && shared.factor > 0.0;
+        if !valid || self.shared() == Some(shared) {
+            return false;
+        }
+        let lower = self.rate().is_none_or(|(rate, _)| shared.rate() < rate);
+        if lower {
+            self.stepped_at = Some(now);
+        }
+        self.base = Some((shared.base, shared.source));
+        self.factor = shared.factor;
+        self.slow_start = false;
+        self.changed = now;
+        self.since = Some(now);
+        true
     }
 
     /// The rate the upstream announced (quota / window), if it did.
@@ -277,7 +345,8 @@ impl Learner {
     ) -> bool {
         let before = self.rate();
         // Sent before the learned rate held: not paced by it.
-        let pace = pace.filter(|_| self.since.is_none_or(|since| sent >= since));
+        let stale = self.since.is_some_and(|since| sent < since);
+        let pace = pace.filter(|_| !stale);
         if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
             let end = end.max(now + pause);
             if let (true, Some((seen, _))) = (refine, self.seen(now, end - now)) {
@@ -285,6 +354,11 @@ impl Learner {
             }
             self.episode = Some((end, refine));
             return self.rate() != before;
+        }
+        // A refusal of a request sent before the rate in force was learned (or adopted
+        // from another replica) says nothing about that rate.
+        if stale && self.base.is_some() {
+            return false;
         }
         let announced = self.announced_rate().is_some();
         let seen = self.seen(now, pause);
@@ -714,6 +788,64 @@ mod tests {
         l.accepted(t0 + MS * 5);
         assert!(!l.refused(t0 + MS * 6, t0, S, true, Some(4.9)));
         assert_eq!(rate(&l), Some(4.9));
+    }
+
+    #[test]
+    fn replicas_adopt_the_shared_state_and_step_down_once_per_episode() {
+        let t0 = Instant::now();
+        let shared = |base, factor| Shared {
+            base,
+            factor,
+            source: Source::Refusals,
+        };
+        // (the state here, the one shared, adopted, stepped down: no second step now)
+        let cases = [
+            (None, shared(5.0, 1.0), true, true),
+            (Some(shared(5.0, 1.0)), shared(5.0, 1.0), false, false),
+            (Some(shared(5.0, 1.0)), shared(5.0, 0.95), true, true),
+            // A climb adopted is no step.
+            (Some(shared(5.0, 0.9)), shared(5.0, 0.95), true, false),
+            (Some(shared(5.0, 1.0)), shared(f64::NAN, 1.0), false, false),
+        ];
+        for (here, there, adopted, stepped) in cases {
+            let mut l = Learner::new(t0);
+            l.set_replicas(3);
+            if let Some(here) = here {
+                l.adopt(here, t0);
+            }
+            let at = t0 + S * 5;
+            assert_eq!(l.adopt(there, at), adopted, "{here:?} {there:?}");
+            if !adopted {
+                continue;
+            }
+            assert_eq!(l.shared(), Some(there));
+            // Another replica's step already answered this episode: a refusal of a
+            // request paced by the adopted rate right after it steps no further.
+            let pace = there.rate();
+            l.refused(at + MS * 10, at + MS * 5, MS * 20, false, Some(pace));
+            let moved = l.shared() != Some(there);
+            assert_eq!(moved, !stepped, "{here:?} {there:?}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_of_a_request_sent_before_the_rate_was_adopted_changes_nothing() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        for i in 0..10 {
+            l.accepted(t0 + MS * (100 * i));
+        }
+        let five = Shared {
+            base: 5.0,
+            factor: 1.0,
+            source: Source::Refusals,
+        };
+        l.adopt(five, t0 + S * 2);
+        // Sent at 1.9 s, before the adoption: neither a step nor a new estimate.
+        assert!(!l.refused(t0 + S * 3, t0 + MS * 1900, S, true, Some(8.0)));
+        assert!(!l.refused(t0 + S * 3, t0 + MS * 1900, S, true, None));
+        assert_eq!(l.shared(), Some(five));
     }
 
     #[test]

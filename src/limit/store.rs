@@ -61,17 +61,22 @@ impl Store {
         if let Store::Redis(redis) = self {
             // Booked a little under the rates: replicas wake up and send with a jitter
             // of their own, and a strict upstream refuses two requests closer than its
-            // interval, whichever replica sent them.
-            let rates: Vec<_> = group
-                .lock()
-                .rates
-                .in_force()
-                .iter()
-                .map(|r| r.scaled(SHARED_MARGIN))
-                .collect();
+            // interval, whichever replica sent them. The learned rate is the group's,
+            // kept in Redis: published by the replica that learned it.
+            let (rates, learning) = {
+                let mut state = group.lock();
+                let rates: Vec<_> = state
+                    .rates
+                    .configured_in_force()
+                    .iter()
+                    .map(|r| r.scaled(SHARED_MARGIN))
+                    .collect();
+                (rates, state.learning())
+            };
             // Boxed: the round trip's state is large, and inline it would size every
             // waiting request's future, with the memory store too.
-            let booked = Box::pin(redis.reserve(&group.name, &rates, cost)).await;
+            let booked = Box::pin(redis.reserve(&group.name, &rates, cost, learning)).await;
+            group.shared_learning(booked.as_ref(), learning);
             if let Some(booking) = booked {
                 // Counted from when the answer came, not from `now`: the round trip
                 // is part of the wait.
