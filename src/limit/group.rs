@@ -81,14 +81,7 @@ pub(super) struct State {
     /// The learned state changed here and the shared store has not been told yet: the
     /// next booking publishes it.
     publish: bool,
-    /// The group's bookings in the shared store within the announced window, as its
-    /// last booking here counted them, and when.
-    booked_in_window: Option<(u64, Instant)>,
 }
-
-/// Bookings are counted in the shared store for announced quotas up to this many per
-/// window (one entry each).
-const COUNTED_QUOTA: u64 = 10_000;
 
 impl State {
     /// What the next booking in the shared store publishes of the learning done here
@@ -101,11 +94,7 @@ impl State {
                 let per_second = (shared.rate() * SHARED_MARGIN).max(1e-6);
                 (shared, Duration::from_secs_f64(1.0 / per_second))
             });
-        let window = self
-            .learner
-            .announced_budget()
-            .filter(|(quota, _)| *quota <= COUNTED_QUOTA)
-            .map(|(_, window)| window);
+        let window = self.learner.count_window();
         Learning { publish, window }
     }
 }
@@ -171,7 +160,6 @@ impl Group {
                 adaptive: Adaptive::new(&settings, now),
                 learner: Learner::new(now),
                 publish: false,
-                booked_in_window: None,
             }),
             store,
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -421,10 +409,12 @@ impl Group {
     }
 
     /// The upstream pushed back on a request sent at `sent`: pause the group for
-    /// `pause` (`said`: the upstream said so, else it is a guess), learn from the
-    /// refusal, and in adaptive mode slow its rate down.
-    pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) {
-        {
+    /// `pause` (`said`: the upstream said so, else it is a guess; shorter when the
+    /// group's own answers show the window has room sooner, [`Learner::window_frees`]),
+    /// learn from the refusal, and in adaptive mode slow its rate down. Returns the
+    /// pause.
+    pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) -> Duration {
+        let pause = {
             let mut state = self.lock();
             let now = Instant::now();
             state.pause.pushed_back(now);
@@ -434,11 +424,14 @@ impl Group {
             }
             let pace = state.rates.pace().map(|p| 1.0 / p.as_secs_f64());
             state.learner.set_replicas(self.store.replicas());
+            let frees = state.learner.window_frees(now).filter(|_| said);
             if state.learner.refused(now, sent, pause, said, pace) {
                 self.relearn(&mut state);
             }
-        }
+            frees.map_or(pause, |frees| frees.min(pause))
+        };
         self.pause_for(pause);
+        pause
     }
 
     /// The upstream answered normally: the fallback backoff starts over, and the
@@ -471,10 +464,9 @@ impl Group {
         let now = Instant::now();
         let announced = state.learner.announced_budget();
         let ours = announced.map_or(0, |(_, window)| {
-            match state.booked_in_window {
-                Some((booked, at)) if now - at < window && booked > 0 => booked,
-                _ => state.learner.accepted_within(now, window),
-            }
+            let learner = &state.learner;
+            (learner.booked_within(now, window))
+                .unwrap_or_else(|| learner.accepted_within(now, window))
         });
         learn::spent_budget_pauses(state.rates.pace(), announced, ours)
     }
@@ -490,7 +482,9 @@ impl Group {
             return;
         };
         let now = Instant::now();
-        state.booked_in_window = Some((booking.booked_in_window, now));
+        if let Some(window) = learning.window {
+            state.learner.booked(booking.booked_in_window, window, now);
+        }
         match booking.learned {
             // Learned here since the booking left: that goes out with the next one.
             _ if state.publish => {}

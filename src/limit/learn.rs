@@ -145,7 +145,17 @@ pub struct Learner {
     /// The refusal episode in force: until its pause ends, and whether its sample set
     /// the learned rate (then later refusals of the same episode refine it).
     episode: Option<(Instant, bool)>,
+    /// The pause the last refusal that said one asked for: the window of a limiter
+    /// that announces nothing else.
+    said_window: Option<Duration>,
+    /// The group's bookings in the shared store within a window before this replica's
+    /// last booking (that one included), the window, and when it was counted.
+    booked: Option<(u64, Duration, Instant)>,
 }
+
+/// Bookings are counted in a shared store over windows of up to this many requests
+/// (one entry each).
+const COUNTED: f64 = 10_000.0;
 
 /// How far back the accepted answers count for what the upstream lets through.
 pub const HORIZON: Duration = Duration::from_secs(5);
@@ -179,7 +189,34 @@ impl Learner {
             refusals: VecDeque::new(),
             since_episode: (0, None),
             episode: None,
+            said_window: None,
+            booked: None,
         }
+    }
+
+    /// The window over which a shared store should count the group's bookings: the
+    /// announced one, else the pause the last refusal said (a window that holds few
+    /// enough requests to count each).
+    pub fn count_window(&self) -> Option<Duration> {
+        let quota = |window: Duration| self.rate().map_or(0.0, |(r, _)| r) * window.as_secs_f64();
+        self.budget
+            .map(|(_, window)| window)
+            .or(self.said_window)
+            .filter(|window| !window.is_zero() && quota(*window) <= COUNTED)
+    }
+
+    /// The shared store counted `count` bookings of the group within `window` before
+    /// this replica's booking at `now`, that one included.
+    pub fn booked(&mut self, count: u64, window: Duration, now: Instant) {
+        self.booked = (count > 0).then_some((count, window, now));
+    }
+
+    /// The group's bookings within `window` as last counted, if that count is of this
+    /// window and recent.
+    pub fn booked_within(&self, now: Instant, window: Duration) -> Option<u64> {
+        self.booked
+            .filter(|(_, w, at)| *w == window && now - *at < window)
+            .map(|(count, _, _)| count)
     }
 
     /// The rate to pace at, per second, and its source; `None` until something is
@@ -248,6 +285,24 @@ impl Learner {
         (ours * scale).round() as u64
     }
 
+    /// How soon a window limiter that refused a request at `now` has room again, when
+    /// the group's own answers show it: the upstream accepted the announced quota of
+    /// the group's requests within the last window, so the oldest of those leaves the
+    /// window (a sliding one frees a place then; a fixed one has reset by then). A
+    /// reset given in whole seconds, rounded up, can be most of a second later. `None`
+    /// when fewer of the group's were accepted within the window (others spend the
+    /// budget too, or this is one of several replicas): the upstream's pause holds.
+    pub fn window_frees(&self, now: Instant) -> Option<Duration> {
+        let (quota, window) = self.budget?;
+        let quota = usize::try_from(quota).ok()?;
+        if self.replicas > 1 || quota == 0 || self.accepted.len() < quota {
+            return None;
+        }
+        let oldest = self.accepted[self.accepted.len() - quota];
+        let frees = oldest + window;
+        (now - oldest < window).then(|| frees - now)
+    }
+
     /// A response announced a budget. Returns whether the learned rate moved.
     pub fn announced(&mut self, budget: Announced, now: Instant) -> bool {
         let window = match (budget.window, budget.reset) {
@@ -295,7 +350,14 @@ impl Learner {
     /// What a limiter that said when to come back let through since its last refusal:
     /// the answers accepted since then, over the time since the first of them or the
     /// pause it asks for, whichever is longer (it refills within that pause).
+    ///
+    /// One of several replicas sees its share of those answers only: the shared store's
+    /// count of the group's bookings within that pause before the request refused (less
+    /// that one) is the group's when it has one.
     fn window_seen(&self, now: Instant, pause: Duration) -> Option<f64> {
+        if let (true, Some(booked)) = (self.replicas > 1, self.booked_within(now, pause)) {
+            return Some((booked.saturating_sub(1)) as f64 / pause.as_secs_f64());
+        }
         let (n, first) = self.since_episode;
         let span = (now - first?).max(pause).as_secs_f64();
         (n >= 2 && span > 0.0).then(|| f64::from(n) * f64::from(self.replicas) / span)
@@ -344,6 +406,9 @@ impl Learner {
         pace: Option<f64>,
     ) -> bool {
         let before = self.rate();
+        if said && !pause.is_zero() && pause <= HORIZON {
+            self.said_window = Some(pause);
+        }
         // Sent before the learned rate held: not paced by it.
         let stale = self.since.is_some_and(|since| sent < since);
         let pace = pace.filter(|_| !stale);
@@ -557,6 +622,75 @@ mod tests {
                 "{pace:?} {announced:?} {ours}"
             );
         }
+    }
+
+    #[test]
+    fn a_window_full_of_the_groups_own_requests_frees_when_the_oldest_leaves_it() {
+        let t0 = Instant::now();
+        let ietf = |l: &mut Learner| {
+            l.announced(
+                Announced {
+                    quota: 5,
+                    window: Some(S),
+                    reset: None,
+                    source: Source::RatelimitPolicy,
+                },
+                t0,
+            )
+        };
+        // (accepted at these ms, refused at, replicas, frees in ms)
+        let cases: &[(&[u64], u64, u32, Option<u64>)] = &[
+            // Five of ours within the window: the first leaves it at 1050 ms.
+            (&[50, 250, 450, 650, 850], 990, 1, Some(60)),
+            (&[0, 50, 250, 450, 650, 850], 990, 1, Some(60)),
+            // Only four of ours: someone else spent the fifth.
+            (&[250, 450, 650, 850], 990, 1, None),
+            // Ours span more than the window: it is not ours that filled it.
+            (&[0, 250, 450, 650, 850], 1100, 1, None),
+            // One of three replicas sees a third of the group's answers.
+            (&[50, 250, 450, 650, 850], 990, 3, None),
+        ];
+        for (accepted, refused, replicas, frees) in cases {
+            let mut l = Learner::new(t0);
+            ietf(&mut l);
+            l.set_replicas(*replicas);
+            for at in *accepted {
+                l.accepted(t0 + MS * *at as u32);
+            }
+            let got = l.window_frees(t0 + MS * *refused as u32);
+            assert_eq!(got, frees.map(|ms| MS * ms as u32), "{accepted:?}");
+        }
+        // Nothing announced: nothing known of the window.
+        let mut l = Learner::new(t0);
+        for at in [50, 250, 450, 650, 850] {
+            l.accepted(t0 + MS * at);
+        }
+        assert_eq!(l.window_frees(t0 + MS * 990), None);
+    }
+
+    #[test]
+    fn the_groups_bookings_counted_in_the_shared_store_read_a_said_window() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        // Told 8/s; a sliding window of 5 a second refuses with Retry-After: 1. This
+        // replica saw two of the five accepted: alone, that reads as 6/s.
+        l.accepted(t0 + MS * 300);
+        l.accepted(t0 + MS * 700);
+        let first = t0 + MS * 800;
+        assert!(l.refused(first, first, S, true, Some(7.8)));
+        assert_eq!(l.count_window(), Some(S));
+        // The shared store counted six bookings of the group in the second before this
+        // replica's next request, that one included: five were let through.
+        let next = t0 + MS * 2900;
+        l.accepted(next - MS * 500);
+        l.accepted(next - MS * 100);
+        l.booked(6, S, next - MS * 10);
+        assert_eq!(l.booked_within(next, S), Some(6));
+        assert_eq!(l.booked_within(next, S * 2), None);
+        let pace = l.rate().unwrap().0 + 1.0;
+        l.refused(next, next - MS * 5, S, true, Some(pace));
+        assert_eq!(rate(&l), Some(4.9));
     }
 
     #[test]
