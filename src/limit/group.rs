@@ -94,7 +94,7 @@ impl State {
                 let per_second = (shared.rate() * SHARED_MARGIN).max(1e-6);
                 (shared, Duration::from_secs_f64(1.0 / per_second))
             });
-        let window = self.learner.count_window();
+        let window = self.learner.count_window(self.rates.pace());
         Learning { publish, window }
     }
 }

@@ -154,8 +154,8 @@ pub struct Learner {
 }
 
 /// Bookings are counted in a shared store over windows of up to this many requests
-/// (one entry each).
-const COUNTED: f64 = 10_000.0;
+/// (one entry each); a count that reaches it says nothing.
+pub const COUNTED: u64 = 1_000;
 
 /// How far back the accepted answers count for what the upstream lets through.
 pub const HORIZON: Duration = Duration::from_secs(5);
@@ -194,15 +194,17 @@ impl Learner {
         }
     }
 
-    /// The window over which a shared store should count the group's bookings: the
-    /// announced one, else the pause the last refusal said (a window that holds few
-    /// enough requests to count each).
-    pub fn count_window(&self) -> Option<Duration> {
-        let quota = |window: Duration| self.rate().map_or(0.0, |(r, _)| r) * window.as_secs_f64();
-        self.budget
-            .map(|(_, window)| window)
+    /// The window over which a shared store should count the group's bookings, paced
+    /// one every `pace`: the announced one, else the pause the last refusal said, else
+    /// [`CALM`] (what a first refusal's `Retry-After: 1` will be read against); only a
+    /// window that holds at most [`COUNTED`] requests at that pace (one entry each).
+    pub fn count_window(&self, pace: Option<Duration>) -> Option<Duration> {
+        let pace = pace.filter(|p| !p.is_zero())?;
+        let window = (self.budget.map(|(_, window)| window))
             .or(self.said_window)
-            .filter(|window| !window.is_zero() && quota(*window) <= COUNTED)
+            .unwrap_or(CALM);
+        let holds = window.as_secs_f64() / pace.as_secs_f64();
+        (!window.is_zero() && holds <= COUNTED as f64).then_some(window)
     }
 
     /// The shared store counted `count` bookings of the group within `window` before
@@ -237,25 +239,27 @@ impl Learner {
     }
 
     /// Takes the learned state another replica published (or this one, read back).
-    /// Returns whether the rate in force moved. From now on it is the rate in force:
-    /// a refusal of a request sent before says nothing about it, a step down counts
-    /// from now (a lower rate adopted is the step of this episode), and so does the
-    /// next calm interval (one climb per calm interval for the whole group, not one
-    /// per replica).
+    /// Returns whether the rate in force moved. A lower rate adopted is the step of
+    /// this episode (a refusal of a request sent before it says nothing more), and the
+    /// next calm interval counts from now (one climb per calm interval for the whole
+    /// group, not one per replica).
     pub fn adopt(&mut self, shared: Shared, now: Instant) -> bool {
         let valid = shared.base.is_finite() && shared.base > 0.0 && shared.factor > 0.0;
         if !valid || self.shared() == Some(shared) {
             return false;
         }
+        // A lower rate is another replica's answer to a refusal: this episode's step,
+        // and the requests sent before it were sent too fast to say anything about it.
+        // The same or a higher one (a climb, an announcement) paced them alike.
         let lower = self.rate().is_none_or(|(rate, _)| shared.rate() < rate);
         if lower {
             self.stepped_at = Some(now);
+            self.since = Some(now);
         }
         self.base = Some((shared.base, shared.source));
         self.factor = shared.factor;
         self.slow_start = false;
         self.changed = now;
-        self.since = Some(now);
         true
     }
 
@@ -679,7 +683,10 @@ mod tests {
         l.accepted(t0 + MS * 700);
         let first = t0 + MS * 800;
         assert!(l.refused(first, first, S, true, Some(7.8)));
-        assert_eq!(l.count_window(), Some(S));
+        // Counted over the pause it said; not at all at 10 000/s, nor unpaced.
+        assert_eq!(l.count_window(Some(MS * 204)), Some(S));
+        assert_eq!(l.count_window(Some(MS / 10)), None);
+        assert_eq!(l.count_window(None), None);
         // The shared store counted six bookings of the group in the second before this
         // replica's next request, that one included: five were let through.
         let next = t0 + MS * 2900;

@@ -33,7 +33,7 @@ use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
 
 use super::gcra::Gcra;
-use super::learn::{Shared, Source};
+use super::learn::{Shared, Source, COUNTED};
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
@@ -52,11 +52,12 @@ const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// Books the next slot. KEYS: the pause key, the learned hash, the learned rate's TAT,
 /// the booked set, then one TAT key per rate. ARGV: the cost; the learned state to
 /// publish (its interval in µs, base, factor, source; the interval empty when there is
-/// nothing to publish); how long the learned hash lives, in ms; the announced window
-/// to count bookings over, in µs (0: none); then the interval and tolerance of each
-/// rate, in µs. Returns the µs to wait, the µs of pause left (≤ 0 when not paused), the
-/// learned base, factor and source in force (nil when none), and the bookings counted
-/// within the window before this one's departure, this one included.
+/// nothing to publish); how long the learned hash lives, in ms; the window to count
+/// the group's bookings over, in µs (0: none), and the most bookings kept for that;
+/// then the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
+/// of pause left (≤ 0 when not paused), the learned base, factor and source in force
+/// (nil when none), and the bookings within the window before this one's departure,
+/// this one included (0 when not counted, or when there were too many to count).
 const RESERVE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -73,7 +74,7 @@ local depart = math.max(now, paused)
 local tats = {}
 for i = 5, #KEYS do
   tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i - 1]))
+  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i]))
 end
 local learned_tat = 0
 if interval > 0 then
@@ -81,19 +82,21 @@ if interval > 0 then
   depart = math.max(depart, learned_tat)
 end
 for i = 5, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 2])
+  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 1])
   redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 end
-local booked = 0
 if interval > 0 then
   local tat = math.max(learned_tat, depart) + cost * interval
   redis.call('SET', KEYS[3], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
-  if window > 0 then
-    redis.call('ZADD', KEYS[4], depart, string.format('%.0f', depart))
-    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%.0f', depart - window))
-    redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + window) / 1000) + 1000)
-    booked = redis.call('ZCARD', KEYS[4])
-  end
+end
+local booked = 0
+if window > 0 then
+  redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%.0f', depart, now))
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%.0f', depart - window))
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[8]) - 1)
+  redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + window) / 1000) + 1000)
+  booked = redis.call('ZCARD', KEYS[4])
+  if booked >= tonumber(ARGV[8]) then booked = 0 end
 end
 return { depart - now, paused - now, learned[2], learned[3], learned[4], booked }
 ";
@@ -171,7 +174,7 @@ pub struct Reservation {
     pub paused_for: Option<Duration>,
     /// The learned rate every replica books against, if one was published.
     pub learned: Option<Shared>,
-    /// The group's bookings within the announced window before this one's departure,
+    /// The group's bookings within the counted window before this one's departure,
     /// this one included (0 when not counted).
     pub booked_in_window: u64,
 }
@@ -313,7 +316,8 @@ impl Redis {
                 None => call.arg("").arg("").arg("").arg(""),
             };
             call.arg(LEARNED_TTL.as_millis() as u64)
-                .arg(learning.window.map_or(0, |w| w.as_micros() as u64));
+                .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
+                .arg(COUNTED);
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
