@@ -275,7 +275,7 @@ pub fn after_answer(
         }
         Verdict::Pause(pause) => {
             group.calm();
-            if group.spent_budget_pauses() {
+            if group.spent_budget_pauses(sent) {
                 group.pause_for(pause);
                 record_pause(group, pause, "budget spent (rate-limit headers)");
             }

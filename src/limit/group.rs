@@ -456,26 +456,31 @@ impl Group {
     }
 
     /// Whether a spent budget (`Remaining: 0`) should pause the group now
-    /// ([`learn::spent_budget_pauses`]). The group's own share of the window is what
-    /// the shared store counted at this replica's last booking, while that is recent;
-    /// else this replica's estimate from the answers it saw.
-    pub fn spent_budget_pauses(&self) -> bool {
+    /// ([`learn::spent_budget_pauses`]), answering a request sent at `sent`. The
+    /// group's own share of the window is what the shared store counted when it booked
+    /// that request; else this replica's estimate from the answers it saw.
+    pub fn spent_budget_pauses(&self, sent: Instant) -> bool {
         let state = self.lock();
         let now = Instant::now();
         let announced = state.learner.announced_budget();
         let ours = announced.map_or(0, |(_, window)| {
             let learner = &state.learner;
-            (learner.booked_within(now, window))
+            (learner.booked_within(sent, window))
                 .unwrap_or_else(|| learner.accepted_within(now, window))
         });
         learn::spent_budget_pauses(state.rates.pace(), announced, ours)
     }
 
     /// What the shared store answered a booking that published `learning` (`None`: it
-    /// did not answer): the learned rate in force there is adopted, the count of
+    /// did not answer), for the slot at `slot`: the learned rate in force there is adopted, the count of
     /// bookings kept, and what did not reach it (or what it no longer has) is
     /// published again with the next booking.
-    pub(super) fn shared_learning(&self, booked: Option<&Reservation>, learning: Learning) {
+    pub(super) fn shared_learning(
+        &self,
+        booked: Option<&Reservation>,
+        learning: Learning,
+        slot: Instant,
+    ) {
         let mut state = self.lock();
         let Some(booking) = booked else {
             state.publish |= learning.publish.is_some();
@@ -483,7 +488,7 @@ impl Group {
         };
         let now = Instant::now();
         if let Some(window) = learning.window {
-            state.learner.booked(booking.booked_in_window, window, now);
+            state.learner.booked(booking.booked_in_window, window, slot);
         }
         match booking.learned {
             // Learned here since the booking left: that goes out with the next one.

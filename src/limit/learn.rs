@@ -148,15 +148,17 @@ pub struct Learner {
     /// The pause the last refusal that said one asked for: the window of a limiter
     /// that announces nothing else.
     said_window: Option<Duration>,
-    /// The group's bookings in the shared store within a window before this replica's
-    /// last booking (that one included), the window, and when it was counted.
-    booked: Option<(u64, Duration, Instant)>,
+    /// This replica's last bookings in the shared store: each one's slot, the group's
+    /// bookings within the window before it (that one included), and the window.
+    booked: VecDeque<(Instant, u64, Duration)>,
 }
 
 /// Bookings are counted in a shared store over windows of up to this many requests
 /// (one entry each); a count that reaches it says nothing.
 pub const COUNTED: u64 = 1_000;
 
+/// How many of this replica's last bookings keep the shared store's count.
+const BOOKINGS: usize = 16;
 /// How far back the accepted answers count for what the upstream lets through.
 pub const HORIZON: Duration = Duration::from_secs(5);
 /// The most accepted answers kept for that (at high rates the horizon is shorter).
@@ -190,7 +192,7 @@ impl Learner {
             since_episode: (0, None),
             episode: None,
             said_window: None,
-            booked: None,
+            booked: VecDeque::new(),
         }
     }
 
@@ -208,17 +210,24 @@ impl Learner {
     }
 
     /// The shared store counted `count` bookings of the group within `window` before
-    /// this replica's booking at `now`, that one included.
-    pub fn booked(&mut self, count: u64, window: Duration, now: Instant) {
-        self.booked = (count > 0).then_some((count, window, now));
+    /// the slot it gave this replica at `slot`, that one included (0: not counted).
+    pub fn booked(&mut self, count: u64, window: Duration, slot: Instant) {
+        if count == 0 {
+            return;
+        }
+        if self.booked.len() >= BOOKINGS {
+            self.booked.pop_front();
+        }
+        self.booked.push_back((slot, count, window));
     }
 
-    /// The group's bookings within `window` as last counted, if that count is of this
-    /// window and recent.
-    pub fn booked_within(&self, now: Instant, window: Duration) -> Option<u64> {
-        self.booked
-            .filter(|(_, w, at)| *w == window && now - *at < window)
-            .map(|(count, _, _)| count)
+    /// The group's bookings within `window` before the request that left at `sent`,
+    /// that one included, as the shared store counted them when booking it (the last
+    /// slot at or before `sent`: the head leaves at its slot, a little late): the
+    /// next booking is often made before this one's answer comes, and counts later.
+    pub fn booked_within(&self, sent: Instant, window: Duration) -> Option<u64> {
+        let (slot, count, w) = *self.booked.iter().rev().find(|(slot, ..)| *slot <= sent)?;
+        (w == window && sent - slot < window).then_some(count)
     }
 
     /// The rate to pace at, per second, and its source; `None` until something is
@@ -358,8 +367,8 @@ impl Learner {
     /// One of several replicas sees its share of those answers only: the shared store's
     /// count of the group's bookings within that pause before the request refused (less
     /// that one) is the group's when it has one.
-    fn window_seen(&self, now: Instant, pause: Duration) -> Option<f64> {
-        if let (true, Some(booked)) = (self.replicas > 1, self.booked_within(now, pause)) {
+    fn window_seen(&self, now: Instant, sent: Instant, pause: Duration) -> Option<f64> {
+        if let (true, Some(booked)) = (self.replicas > 1, self.booked_within(sent, pause)) {
             return Some((booked.saturating_sub(1)) as f64 / pause.as_secs_f64());
         }
         let (n, first) = self.since_episode;
@@ -463,7 +472,7 @@ impl Learner {
                     && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
                     && self.replicas == 1;
                 let let_through = match said {
-                    true => self.window_seen(now, pause),
+                    true => self.window_seen(now, sent, pause),
                     false => seen.filter(|_| bare_share).map(|(s, _)| s),
                 };
                 match let_through.filter(|s| *s < pace * STEP_DOWN) {
@@ -692,9 +701,13 @@ mod tests {
         let next = t0 + MS * 2900;
         l.accepted(next - MS * 500);
         l.accepted(next - MS * 100);
+        // Its slot at 2.89 s counted six; the next head's, booked before the refusal
+        // came back, seven.
         l.booked(6, S, next - MS * 10);
-        assert_eq!(l.booked_within(next, S), Some(6));
-        assert_eq!(l.booked_within(next, S * 2), None);
+        l.booked(7, S, next + MS * 160);
+        assert_eq!(l.booked_within(next - MS * 5, S), Some(6));
+        assert_eq!(l.booked_within(next - MS * 5, S * 2), None);
+        assert_eq!(l.booked_within(next - MS * 20, S), None);
         let pace = l.rate().unwrap().0 + 1.0;
         l.refused(next, next - MS * 5, S, true, Some(pace));
         assert_eq!(rate(&l), Some(4.9));

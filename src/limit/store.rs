@@ -76,17 +76,18 @@ impl Store {
             // Boxed: the round trip's state is large, and inline it would size every
             // waiting request's future, with the memory store too.
             let booked = Box::pin(redis.reserve(&group.name, &rates, cost, learning)).await;
-            group.shared_learning(booked.as_ref(), learning);
+            // Counted from when the answer came, not from `now`: the round trip is
+            // part of the wait.
+            let answered = Instant::now();
+            let slot = answered + booked.as_ref().map_or(Duration::ZERO, |b| b.wait);
+            group.shared_learning(booked.as_ref(), learning, slot);
             if let Some(booking) = booked {
-                // Counted from when the answer came, not from `now`: the round trip
-                // is part of the wait.
-                let answered = Instant::now();
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: requests already waiting here
                     // honour it too.
                     group.lock().pause.extend(answered + pause);
                 }
-                return Ok(Slot::Booked(answered + booking.wait));
+                return Ok(Slot::Booked(slot));
             }
             if redis.on_error == OnBackendError::Deny {
                 return Err(Refusal::BackendDown);
