@@ -95,7 +95,12 @@ impl State {
                 (shared, Duration::from_secs_f64(1.0 / per_second))
             });
         let window = self.learner.count_window(self.rates.pace());
-        Learning { publish, window }
+        let paced_refusal = self.learner.paced_refusal();
+        Learning {
+            publish,
+            window,
+            paced_refusal,
+        }
     }
 }
 

@@ -148,6 +148,9 @@ pub struct Learner {
     /// The pause the last refusal that said one asked for: the window of a limiter
     /// that announces nothing else.
     said_window: Option<Duration>,
+    /// The last change came from a refusal of a paced request: one of the readings of
+    /// an overload that every replica sees a part of, of which the slowest holds.
+    paced_refusal: bool,
     /// This replica's last bookings in the shared store: each one's slot, the group's
     /// bookings within the window before it (that one included), and the window.
     booked: VecDeque<(Instant, u64, Duration)>,
@@ -193,6 +196,7 @@ impl Learner {
             episode: None,
             said_window: None,
             booked: VecDeque::new(),
+            paced_refusal: false,
         }
     }
 
@@ -235,6 +239,12 @@ impl Learner {
     pub fn rate(&self) -> Option<(f64, Source)> {
         self.base
             .map(|(rate, source)| (rate * self.factor * MARGIN, source))
+    }
+
+    /// Whether the last change of the learned state came from a refusal of a paced
+    /// request.
+    pub fn paced_refusal(&self) -> bool {
+        self.paced_refusal
     }
 
     /// The learned state to share with other replicas; `None` until something is
@@ -337,6 +347,7 @@ impl Learner {
         // newer announcement (the upstream may change its plan); step-downs stay.
         let moved = self.base != Some((rate, budget.source));
         if moved {
+            self.paced_refusal = false;
             if self.base.is_none_or(|(_, s)| s == Source::Refusals) {
                 self.factor = 1.0;
             }
@@ -488,7 +499,11 @@ impl Learner {
             }
         };
         self.episode = Some((now + pause, refine));
-        self.rate() != before
+        let moved = self.rate() != before;
+        if moved {
+            self.paced_refusal = pace.is_some();
+        }
+        moved
     }
 
     fn learn(&mut self, seen: f64, now: Instant) {
@@ -550,6 +565,7 @@ impl Learner {
             return false;
         }
         self.changed = now;
+        self.paced_refusal = false;
         true
     }
 }

@@ -49,12 +49,19 @@ const PROBE: Duration = Duration::from_millis(500);
 /// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 
-/// Books the next slot. KEYS: the pause key, the learned hash, the learned rate's TAT,
-/// the booked set, then one TAT key per rate. ARGV: the cost; the learned state to
+/// Books the next slot. A learned state published from a refusal of a paced request
+/// does not replace a slower one published less than a second ago: the replicas'
+/// refusals of one overload are one episode, and its slowest reading holds (a
+/// replica's booking counted before another's refusal came back counts that refused
+/// request as let through); a climb comes a calm second later.
+///
+/// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set,
+/// then one TAT key per rate. ARGV: the cost; the learned state to
 /// publish (its interval in µs, base, factor, source; the interval empty when there is
 /// nothing to publish); how long the learned hash lives, in ms; the window to count
 /// the group's bookings over, in µs (0: none), and the most bookings kept for that;
-/// then the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
+/// whether the state published comes from a refusal of a paced request (1 or 0); then
+/// the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
 /// of pause left (≤ 0 when not paused), the learned base, factor and source in force
 /// (nil when none), and the bookings within the window before this one's departure,
 /// this one included (0 when not counted, or when there were too many to count).
@@ -63,7 +70,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local cost = tonumber(ARGV[1])
 if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[2], 'interval', ARGV[2], 'base', ARGV[3], 'factor', ARGV[4], 'source', ARGV[5])
+  local old = redis.call('HMGET', KEYS[2], 'interval', 'at')
+  local faster = old[1] and tonumber(ARGV[2]) < tonumber(old[1])
+  local recent = old[2] and now - tonumber(old[2]) < 1000000
+  if not (ARGV[9] == '1' and faster and recent) then
+    redis.call('HSET', KEYS[2], 'interval', ARGV[2], 'base', ARGV[3], 'factor', ARGV[4], 'source', ARGV[5], 'at', string.format('%.0f', now))
+  end
 end
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]))
 local learned = redis.call('HMGET', KEYS[2], 'interval', 'base', 'factor', 'source')
@@ -74,7 +86,7 @@ local depart = math.max(now, paused)
 local tats = {}
 for i = 5, #KEYS do
   tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i]))
+  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i + 1]))
 end
 local learned_tat = 0
 if interval > 0 then
@@ -82,7 +94,7 @@ if interval > 0 then
   depart = math.max(depart, learned_tat)
 end
 for i = 5, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 1])
+  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i])
   redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 end
 if interval > 0 then
@@ -184,8 +196,10 @@ pub struct Reservation {
 pub struct Learning {
     /// A learned state to publish, with the interval to book it at.
     pub publish: Option<(Shared, Duration)>,
-    /// The announced window to count the group's bookings over.
+    /// The window to count the group's bookings over.
     pub window: Option<Duration>,
+    /// The state published comes from a refusal of a paced request.
+    pub paced_refusal: bool,
 }
 
 /// The connection to Redis and what this replica knows about it.
@@ -317,7 +331,8 @@ impl Redis {
             };
             call.arg(LEARNED_TTL.as_millis() as u64)
                 .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
-                .arg(COUNTED);
+                .arg(COUNTED)
+                .arg(u8::from(learning.paced_refusal));
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
