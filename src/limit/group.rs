@@ -95,11 +95,11 @@ impl State {
                 (shared, Duration::from_secs_f64(1.0 / per_second))
             });
         let window = self.learner.count_window(self.rates.pace());
-        let paced_refusal = self.learner.paced_refusal();
+        let yields = self.learner.yields();
         Learning {
             publish,
             window,
-            paced_refusal,
+            yields,
         }
     }
 }
@@ -492,9 +492,8 @@ impl Group {
             return;
         };
         let now = Instant::now();
-        if let Some(window) = learning.window {
-            state.learner.booked(booking.booked_in_window, window, slot);
-        }
+        let counted = learning.window.map(|w| (booking.booked_in_window, w));
+        state.learner.booked(slot, now, counted);
         match booking.learned {
             // Learned here since the booking left: that goes out with the next one.
             _ if state.publish => {}

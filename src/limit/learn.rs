@@ -148,12 +148,14 @@ pub struct Learner {
     /// The pause the last refusal that said one asked for: the window of a limiter
     /// that announces nothing else.
     said_window: Option<Duration>,
-    /// The last change came from a refusal of a paced request: one of the readings of
-    /// an overload that every replica sees a part of, of which the slowest holds.
-    paced_refusal: bool,
-    /// This replica's last bookings in the shared store: each one's slot, the group's
-    /// bookings within the window before it (that one included), and the window.
-    booked: VecDeque<(Instant, u64, Duration)>,
+    /// The last change is a step or a climb: from a refusal of a paced request (one
+    /// of the readings of an overload that every replica sees a part of, of which the
+    /// slowest holds) or a calm interval (which a step elsewhere outranks).
+    yields: bool,
+    /// This replica's last bookings in the shared store: each one's slot, when it was
+    /// booked, and the group's bookings within a window before it (that one included)
+    /// with the window, when counted.
+    booked: VecDeque<(Instant, Instant, Option<(u64, Duration)>)>,
 }
 
 /// Bookings are counted in a shared store over windows of up to this many requests
@@ -196,7 +198,7 @@ impl Learner {
             episode: None,
             said_window: None,
             booked: VecDeque::new(),
-            paced_refusal: false,
+            yields: false,
         }
     }
 
@@ -213,25 +215,30 @@ impl Learner {
         (!window.is_zero() && holds <= COUNTED as f64).then_some(window)
     }
 
-    /// The shared store counted `count` bookings of the group within `window` before
-    /// the slot it gave this replica at `slot`, that one included (0: not counted).
-    pub fn booked(&mut self, count: u64, window: Duration, slot: Instant) {
-        if count == 0 {
-            return;
-        }
+    /// The shared store gave this replica the slot `slot` at `now`, and counted
+    /// `counted`: the group's bookings within a window before it, that one included,
+    /// and the window.
+    pub fn booked(&mut self, slot: Instant, now: Instant, counted: Option<(u64, Duration)>) {
         if self.booked.len() >= BOOKINGS {
             self.booked.pop_front();
         }
-        self.booked.push_back((slot, count, window));
+        let counted = counted.filter(|(count, _)| *count > 0);
+        self.booked.push_back((slot, now, counted));
+    }
+
+    /// The booking of the request that left at `sent`: the last slot at or before it
+    /// (the head leaves at its slot, a little late; the next head books as soon as it
+    /// has left, often before its answer comes).
+    fn booking(&self, sent: Instant) -> Option<&(Instant, Instant, Option<(u64, Duration)>)> {
+        self.booked.iter().rev().find(|(slot, ..)| *slot <= sent)
     }
 
     /// The group's bookings within `window` before the request that left at `sent`,
-    /// that one included, as the shared store counted them when booking it (the last
-    /// slot at or before `sent`: the head leaves at its slot, a little late): the
-    /// next booking is often made before this one's answer comes, and counts later.
+    /// that one included, as the shared store counted them when booking it.
     pub fn booked_within(&self, sent: Instant, window: Duration) -> Option<u64> {
-        let (slot, count, w) = *self.booked.iter().rev().find(|(slot, ..)| *slot <= sent)?;
-        (w == window && sent - slot < window).then_some(count)
+        let (slot, _, counted) = self.booking(sent)?;
+        let (count, w) = (*counted)?;
+        (w == window && sent - *slot < window).then_some(count)
     }
 
     /// The rate to pace at, per second, and its source; `None` until something is
@@ -241,10 +248,11 @@ impl Learner {
             .map(|(rate, source)| (rate * self.factor * MARGIN, source))
     }
 
-    /// Whether the last change of the learned state came from a refusal of a paced
-    /// request.
-    pub fn paced_refusal(&self) -> bool {
-        self.paced_refusal
+    /// Whether the last change of the learned state is a step or a climb, which a
+    /// slower state another replica published less than a second before outranks
+    /// (not an announcement, nor the first reading of an unpaced burst).
+    pub fn yields(&self) -> bool {
+        self.yields
     }
 
     /// The learned state to share with other replicas; `None` until something is
@@ -347,7 +355,7 @@ impl Learner {
         // newer announcement (the upstream may change its plan); step-downs stay.
         let moved = self.base != Some((rate, budget.source));
         if moved {
-            self.paced_refusal = false;
+            self.yields = false;
             if self.base.is_none_or(|(_, s)| s == Source::Refusals) {
                 self.factor = 1.0;
             }
@@ -433,8 +441,10 @@ impl Learner {
         if said && !pause.is_zero() && pause <= HORIZON {
             self.said_window = Some(pause);
         }
-        // Sent before the learned rate held: not paced by it.
-        let stale = self.since.is_some_and(|since| sent < since);
+        // Sent, or booked in the shared store, before the learned rate held: not paced
+        // by it.
+        let paced_from = self.booking(sent).map_or(sent, |(_, at, _)| *at);
+        let stale = self.since.is_some_and(|since| paced_from < since);
         let pace = pace.filter(|_| !stale);
         if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
             let end = end.max(now + pause);
@@ -501,7 +511,7 @@ impl Learner {
         self.episode = Some((now + pause, refine));
         let moved = self.rate() != before;
         if moved {
-            self.paced_refusal = pace.is_some();
+            self.yields = pace.is_some();
         }
         moved
     }
@@ -565,7 +575,7 @@ impl Learner {
             return false;
         }
         self.changed = now;
-        self.paced_refusal = false;
+        self.yields = true;
         true
     }
 }
@@ -719,8 +729,8 @@ mod tests {
         l.accepted(next - MS * 100);
         // Its slot at 2.89 s counted six; the next head's, booked before the refusal
         // came back, seven.
-        l.booked(6, S, next - MS * 10);
-        l.booked(7, S, next + MS * 160);
+        l.booked(next - MS * 10, next - MS * 100, Some((6, S)));
+        l.booked(next + MS * 160, next, Some((7, S)));
         assert_eq!(l.booked_within(next - MS * 5, S), Some(6));
         assert_eq!(l.booked_within(next - MS * 5, S * 2), None);
         assert_eq!(l.booked_within(next - MS * 20, S), None);
@@ -996,6 +1006,22 @@ mod tests {
             let moved = l.shared() != Some(there);
             assert_eq!(moved, !stepped, "{here:?} {there:?}");
         }
+    }
+
+    #[test]
+    fn a_refusal_of_a_request_booked_before_the_rate_was_learned_changes_nothing() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        // Booked at 5 ms for a slot at 380 ms; the first answer taught 5/s at 10 ms.
+        l.booked(t0 + MS * 380, t0 + MS * 5, None);
+        l.announced(x(5, 1000), t0 + MS * 10);
+        let before = l.shared();
+        assert!(!l.refused(t0 + MS * 390, t0 + MS * 381, S, true, Some(4.9)));
+        assert_eq!(l.shared(), before);
+        // Booked after it: a step down.
+        l.booked(t0 + MS * 600, t0 + MS * 385, None);
+        assert!(l.refused(t0 + MS * 610, t0 + MS * 601, S, true, Some(4.9)));
     }
 
     #[test]

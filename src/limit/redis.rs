@@ -49,18 +49,19 @@ const PROBE: Duration = Duration::from_millis(500);
 /// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 
-/// Books the next slot. A learned state published from a refusal of a paced request
-/// does not replace a slower one published less than a second ago: the replicas'
-/// refusals of one overload are one episode, and its slowest reading holds (a
-/// replica's booking counted before another's refusal came back counts that refused
-/// request as let through); a climb comes a calm second later.
+/// Books the next slot. A learned state published as a step or a climb does not
+/// replace a slower one published less than a second ago: the replicas' refusals of
+/// one overload are one episode, and its slowest reading holds (a replica's booking
+/// counted before another's refusal came back counts that refused request as let
+/// through), and a replica that climbs from a state it has not yet seen stepped down
+/// elsewhere would undo the step; a climb comes a calm second later anyway.
 ///
 /// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set,
 /// then one TAT key per rate. ARGV: the cost; the learned state to
 /// publish (its interval in µs, base, factor, source; the interval empty when there is
 /// nothing to publish); how long the learned hash lives, in ms; the window to count
 /// the group's bookings over, in µs (0: none), and the most bookings kept for that;
-/// whether the state published comes from a refusal of a paced request (1 or 0); then
+/// whether the state published is a step or a climb (1 or 0); then
 /// the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
 /// of pause left (≤ 0 when not paused), the learned base, factor and source in force
 /// (nil when none), and the bookings within the window before this one's departure,
@@ -198,8 +199,8 @@ pub struct Learning {
     pub publish: Option<(Shared, Duration)>,
     /// The window to count the group's bookings over.
     pub window: Option<Duration>,
-    /// The state published comes from a refusal of a paced request.
-    pub paced_refusal: bool,
+    /// The state published is a step or a climb ([`super::learn::Learner::yields`]).
+    pub yields: bool,
 }
 
 /// The connection to Redis and what this replica knows about it.
@@ -332,7 +333,7 @@ impl Redis {
             call.arg(LEARNED_TTL.as_millis() as u64)
                 .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
                 .arg(COUNTED)
-                .arg(u8::from(learning.paced_refusal));
+                .arg(u8::from(learning.yields));
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
