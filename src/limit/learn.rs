@@ -443,8 +443,11 @@ impl Learner {
         }
         // Sent, or booked in the shared store, before the learned rate held: not paced
         // by it.
+        // An announced window's worth of requests paced faster before it says nothing
+        // either: the window still held them.
         let paced_from = self.booking(sent).map_or(sent, |(_, at, _)| *at);
-        let stale = self.since.is_some_and(|since| paced_from < since);
+        let settle = self.budget.map_or(Duration::ZERO, |(_, window)| window);
+        let stale = self.since.is_some_and(|since| paced_from < since + settle);
         let pace = pace.filter(|_| !stale);
         if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
             let end = end.max(now + pause);
@@ -527,18 +530,26 @@ impl Learner {
     /// Lowers the rate in force to [`STEP_DOWN`] of `pace`, at most once per two of
     /// its intervals (or per [`CALM`] when that is shorter): the requests in flight
     /// when it stepped were sent at the old pace, and their refusals say nothing new.
+    ///
+    /// A step that follows the last one within [`CALM`] of the end of its episode is
+    /// the square of [`STEP_DOWN`]: refusals episode after episode say the pace is
+    /// still well above the upstream's, and small steps would take many more of them.
     fn step_down(&mut self, now: Instant, pace: f64) {
         let episode = CALM.min(Duration::from_secs_f64(2.0 / pace.max(1e-6)));
         if self.stepped_at.is_some_and(|at| now - at < episode) {
             return;
         }
+        let step = match self.stepped_at {
+            Some(at) if now - at < episode + CALM => STEP_DOWN * STEP_DOWN,
+            _ => STEP_DOWN,
+        };
         self.stepped_at = Some(now);
         self.changed = now;
         match self.base {
             // Below what the upstream announced, which stays the ceiling.
             Some((base, source)) if source != Source::Refusals && base > 0.0 => {
-                let target = pace * STEP_DOWN / (base * MARGIN);
-                self.factor = target.min(self.factor * STEP_DOWN).max(0.01);
+                let target = pace * step / (base * MARGIN);
+                self.factor = target.min(self.factor * step).max(0.01);
             }
             // Probing upwards, it went too far in the last step: back to halfway
             // between that step's start and the pace refused. The answers so far were
@@ -554,7 +565,7 @@ impl Learner {
             // back to.
             _ => {
                 self.base = Some((pace, Source::Refusals));
-                self.factor = STEP_DOWN / MARGIN;
+                self.factor = step / MARGIN;
             }
         }
         self.slow_start = false;
@@ -858,11 +869,11 @@ mod tests {
         for i in 0..20 {
             l.accepted(t0 + S * 2 + MS * (50 * i));
         }
-        // Refused again: 5 % under that pace, then half the way back each calm second
-        // to 2 % under the pace refused.
-        assert!(l.refused(t0 + S * 3, t0 + S * 3, MS * 18, false, Some(5.513)));
+        // Refused again, a while later: 5 % under that pace, then half the way back
+        // each calm second to 2 % under the pace refused.
+        assert!(l.refused(t0 + S * 4, t0 + S * 4, MS * 18, false, Some(5.513)));
         assert_eq!(rate(&l), Some(5.237));
-        let climbed: Vec<_> = (4..=7)
+        let climbed: Vec<_> = (5..=8)
             .map(|s| {
                 l.departed(t0 + S * s);
                 rate(&l).unwrap()
@@ -893,6 +904,7 @@ mod tests {
             false,
             Some(9.5)
         ));
+        // The next episode, right after: still well too fast, a double step.
         assert!(l.refused(
             t0 + S * 10 + MS * 500,
             t0 + S * 10 + MS * 500,
@@ -900,7 +912,7 @@ mod tests {
             false,
             Some(9.5)
         ));
-        assert_eq!(rate(&l), Some(9.025));
+        assert_eq!(rate(&l), Some(8.574));
         // Calm seconds climb back to 2 % under the last pace refused.
         for s in 11..=40 {
             l.departed(t0 + S * s);
@@ -1019,9 +1031,12 @@ mod tests {
         let before = l.shared();
         assert!(!l.refused(t0 + MS * 390, t0 + MS * 381, S, true, Some(4.9)));
         assert_eq!(l.shared(), before);
-        // Booked after it: a step down.
+        // Booked after it, but within the window that still held the faster ones:
+        // nothing either. Booked a window later: a step down.
         l.booked(t0 + MS * 600, t0 + MS * 385, None);
-        assert!(l.refused(t0 + MS * 610, t0 + MS * 601, S, true, Some(4.9)));
+        assert!(!l.refused(t0 + MS * 610, t0 + MS * 601, S, true, Some(4.9)));
+        l.booked(t0 + MS * 1400, t0 + MS * 1020, None);
+        assert!(l.refused(t0 + MS * 1410, t0 + MS * 1401, S, true, Some(4.9)));
     }
 
     #[test]
@@ -1052,7 +1067,9 @@ mod tests {
         for _ in 0..3 {
             l.accepted(t0);
         }
-        l.refused(t0, t0, S, true, Some(4.9));
+        // Within the first window, the requests before the rate held may be the cause.
+        assert!(!l.refused(t0 + MS * 900, t0 + MS * 900, S, true, Some(4.9)));
+        l.refused(t0 + S * 2, t0 + S * 2, S, true, Some(4.9));
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::LimitAndReset);
         assert!((r - 4.9 * STEP_DOWN).abs() < 1e-9, "{r}");
