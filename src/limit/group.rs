@@ -325,6 +325,7 @@ impl Group {
                 tokio::pin!(reconfigured);
                 reconfigured.as_mut().enable();
                 match self.store.book(self, place.cost, now).await? {
+                    Slot::Paused => continue,
                     Slot::Booked(at) => {
                         booked = true;
                         sleep_until_slot(at).await;
@@ -492,8 +493,10 @@ impl Group {
             return;
         };
         let now = Instant::now();
-        let counted = learning.window.map(|w| (booking.booked_in_window, w));
-        state.learner.booked(slot, now, counted);
+        if booking.paused_for.is_none() {
+            let counted = learning.window.map(|w| (booking.booked_in_window, w));
+            state.learner.booked(slot, now, counted);
+        }
         match booking.learned {
             // Learned here since the booking left: that goes out with the next one.
             _ if state.publish => {}

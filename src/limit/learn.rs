@@ -175,6 +175,9 @@ const SAMPLE: usize = 256;
 const MIN_PACED_REFUSALS: usize = 2;
 /// See [`MIN_PACED_REFUSALS`].
 const REFUSED_SHARE: f64 = 0.2;
+/// A rate learned from bare refusals climbs back to at most this many times what the
+/// upstream let through.
+const ABOVE_SEEN: f64 = 1.25;
 /// While probing upwards (`slow_start`), each half calm interval multiplies the rate
 /// by this.
 pub const SLOW_START: f64 = 1.5;
@@ -499,8 +502,18 @@ impl Learner {
                     true => self.window_seen(now, sent, pause),
                     false => seen.filter(|_| bare_share).map(|(s, _)| s),
                 };
+                // A bare refusal this soon after the last answer accepted says the
+                // upstream's interval is longer than that gap, no more: what it let
+                // through (spaced by the refusals in between) can be well below its
+                // rate, and the rate climbs back towards a step under the gap's (at
+                // most [`ABOVE_SEEN`] times what it let through).
+                let gap = self.accepted.back().map(|last| (now - *last).as_secs_f64());
+                let ceiling = (gap.filter(|g| !said && *g > 0.0))
+                    .map(|g| STEP_DOWN / g)
+                    .zip(let_through)
+                    .map(|(gap, seen)| gap.min(seen * ABOVE_SEEN));
                 match let_through.filter(|s| *s < pace * STEP_DOWN) {
-                    Some(seen) => self.learn(seen, now),
+                    Some(seen) => self.learn_below(seen, ceiling, now),
                     None => self.step_down(now, pace),
                 }
                 false
@@ -520,9 +533,16 @@ impl Learner {
     }
 
     fn learn(&mut self, seen: f64, now: Instant) {
+        self.learn_below(seen, None, now);
+    }
+
+    /// Learns `seen` as what the upstream lets through, to climb back from when calm
+    /// up to `ceiling` (a rate known to be refused only above it), if higher.
+    fn learn_below(&mut self, seen: f64, ceiling: Option<f64>, now: Instant) {
         self.since.get_or_insert(now);
-        self.base = Some((seen, Source::Refusals));
-        self.factor = 1.0;
+        let ceiling = ceiling.filter(|c| c.is_finite() && *c > seen).unwrap_or(seen);
+        self.base = Some((ceiling, Source::Refusals));
+        self.factor = seen / ceiling;
         self.changed = now;
         self.stepped_at = Some(now);
     }
@@ -952,6 +972,12 @@ mod tests {
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::Refusals);
         assert!((3.9..=5.3).contains(&r), "{r}");
+        // Calm, it climbs back a little: the refusals spaced what it let through.
+        for s in 3..=10 {
+            l.departed(t0 + S * s);
+        }
+        let climbed = l.rate().unwrap().0;
+        assert!(climbed > r && climbed <= 5.3, "{r} {climbed}");
     }
 
     #[test]

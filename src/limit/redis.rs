@@ -83,7 +83,10 @@ local learned = redis.call('HMGET', KEYS[2], 'interval', 'base', 'factor', 'sour
 local interval = tonumber(learned[1] or 0) or 0
 local window = tonumber(ARGV[7])
 local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
-local depart = math.max(now, paused)
+if paused > now then
+  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0 }
+end
+local depart = now
 local tats = {}
 for i = 5, #KEYS do
   tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
@@ -183,7 +186,8 @@ fn shared(base: Option<String>, factor: Option<String>, source: Option<String>) 
 pub struct Reservation {
     /// How long until the request may leave.
     pub wait: Duration,
-    /// How long the group stays paused (by any replica's push-back), if it is.
+    /// How long the group stays paused (by any replica's push-back), if it is: then
+    /// nothing was booked.
     pub paused_for: Option<Duration>,
     /// The learned rate every replica books against, if one was published.
     pub learned: Option<Shared>,

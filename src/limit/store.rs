@@ -36,6 +36,9 @@ pub enum Slot {
     Local(Instant),
     /// Booked in the shared store for this time: already counted.
     Booked(Instant),
+    /// The shared store holds the group paused (the group's pause now says until
+    /// when): nothing booked, to be asked again when the pause ends.
+    Paused,
 }
 
 impl Store {
@@ -84,8 +87,9 @@ impl Store {
             if let Some(booking) = booked {
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: requests already waiting here
-                    // honour it too.
+                    // honour it too, and this one books after it.
                     group.lock().pause.extend(answered + pause);
+                    return Ok(Slot::Paused);
                 }
                 return Ok(Slot::Booked(slot));
             }
