@@ -320,6 +320,12 @@ impl Group {
                 continue;
             }
             if !booked {
+                // A retry that joined ahead of it meanwhile (during the pause its
+                // push-back caused, typically) goes first: before a slot is booked
+                // for this one in the shared store, where it would pass unused.
+                if self.lock().queue.retry_ahead_of(place.key) {
+                    return Ok(None);
+                }
                 // Listening before the slot is read: a reload after it wakes the sleep.
                 let reconfigured = self.reconfigured.notified();
                 tokio::pin!(reconfigured);

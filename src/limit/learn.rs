@@ -492,26 +492,37 @@ impl Learner {
             // (unless probing upwards, when the sample is of slower paces). A limiter
             // that said when to come back shows it in the answers since its last
             // refusal; a bare one in the last seconds' answers, once its refusals
-            // are a fair share of them (not read by one of several replicas, whose
-            // refusals mix with the others' pace: it steps down instead).
+            // are a fair share of them. One of several replicas sees a sample of the
+            // group's answers: what the group let through is its bookings the shared
+            // store counted in the last second, times the share of them this replica
+            // saw accepted (else it steps down).
             Some(pace) if !announced && !self.slow_start => {
-                let bare_share = refused >= MIN_PACED_REFUSALS
-                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
-                    && self.replicas == 1;
+                let answered = refused as f64 + accepted as f64;
+                let fair_share = refused as f64 >= REFUSED_SHARE * answered;
+                let bare = match self.replicas {
+                    1 => seen
+                        .filter(|_| fair_share && refused >= MIN_PACED_REFUSALS)
+                        .map(|(s, _)| s),
+                    _ => (self.booked_within(sent, CALM))
+                        .filter(|_| fair_share)
+                        .map(|booked| booked.saturating_sub(1) as f64 * accepted as f64 / answered),
+                };
                 let let_through = match said {
                     true => self.window_seen(now, sent, pause),
-                    false => seen.filter(|_| bare_share).map(|(s, _)| s),
+                    false => bare,
                 };
-                // A bare refusal this soon after the last answer accepted says the
-                // upstream's interval is longer than that gap, no more: what it let
-                // through (spaced by the refusals in between) can be well below its
-                // rate, and the rate climbs back towards a step under the gap's (at
-                // most [`ABOVE_SEEN`] times what it let through).
-                let gap = self.accepted.back().map(|last| (now - *last).as_secs_f64());
-                let ceiling = (gap.filter(|g| !said && *g > 0.0))
-                    .map(|g| STEP_DOWN / g)
-                    .zip(let_through)
-                    .map(|(gap, seen)| gap.min(seen * ABOVE_SEEN));
+                // What a bare limiter let through, spaced by the refusals in between,
+                // can be well below its rate: the rate climbs back when calm, to at
+                // most [`ABOVE_SEEN`] times that, and (one replica alone) a step under
+                // the gap since the last answer accepted: the upstream's interval is
+                // longer than that, no more.
+                let gap = (self.accepted.back())
+                    .filter(|_| self.replicas == 1)
+                    .map(|last| (now - *last).as_secs_f64());
+                let below_gap = gap.filter(|g| *g > 0.0).map_or(f64::INFINITY, |g| STEP_DOWN / g);
+                let ceiling = (let_through)
+                    .filter(|_| !said)
+                    .map(|seen| below_gap.min(seen * ABOVE_SEEN));
                 match let_through.filter(|s| *s < pace * STEP_DOWN) {
                     Some(seen) => self.learn_below(seen, ceiling, now),
                     None => self.step_down(now, pace),
@@ -978,6 +989,29 @@ mod tests {
         }
         let climbed = l.rate().unwrap().0;
         assert!(climbed > r && climbed <= 5.3, "{r} {climbed}");
+    }
+
+    #[test]
+    fn one_of_three_replicas_reads_a_bare_limiter_from_the_shared_count() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        // Told 8/s; a strict 5/s upstream accepts every other request of the group's.
+        // This replica saw two accepted and, now, two refused; the shared store counted
+        // eight bookings in the second before the one refused.
+        l.accepted(t0 + MS * 100);
+        l.accepted(t0 + MS * 500);
+        l.refused(t0 + MS * 300, t0 + MS * 300, MS * 12, false, Some(7.7));
+        let sent = t0 + MS * 900;
+        l.booked(sent - MS, sent - MS * 380, Some((8, S)));
+        l.refused(sent + MS * 2, sent, MS * 12, false, Some(7.2));
+        // Seven let through or refused, half of them accepted: 3.5 a second, to climb
+        // back from towards 4.4.
+        assert_eq!(rate(&l), Some(3.43));
+        for s in 2..=10 {
+            l.departed(t0 + S * s);
+        }
+        assert_eq!(rate(&l), Some(4.288));
     }
 
     #[test]
