@@ -510,7 +510,8 @@ impl Learner {
                 let let_through = match said {
                     true => self.window_seen(now, sent, pause),
                     false => bare,
-                };
+                }
+                .filter(|seen| seen.is_finite() && *seen > 0.0);
                 // What a bare limiter let through, spaced by the refusals in between,
                 // can be well below its rate: the rate climbs back when calm, to at
                 // most [`ABOVE_SEEN`] times that, and (one replica alone) a step under
@@ -550,6 +551,9 @@ impl Learner {
     /// Learns `seen` as what the upstream lets through, to climb back from when calm
     /// up to `ceiling` (a rate known to be refused only above it), if higher.
     fn learn_below(&mut self, seen: f64, ceiling: Option<f64>, now: Instant) {
+        if !(seen.is_finite() && seen > 0.0) {
+            return;
+        }
         self.since.get_or_insert(now);
         let ceiling = ceiling.filter(|c| c.is_finite() && *c > seen).unwrap_or(seen);
         self.base = Some((ceiling, Source::Refusals));
@@ -1012,6 +1016,14 @@ mod tests {
             l.departed(t0 + S * s);
         }
         assert_eq!(rate(&l), Some(4.288));
+        // A replica that saw none of them accepted learns nothing from that: it steps
+        // (a double step: the episode before was just now).
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        l.refused(t0 + MS * 300, t0 + MS * 300, MS * 12, false, Some(7.7));
+        l.booked(sent - MS, sent - MS * 380, Some((8, S)));
+        l.refused(sent + MS * 2, sent, MS * 12, false, Some(7.2));
+        assert_eq!(rate(&l), Some(6.498));
     }
 
     #[test]
