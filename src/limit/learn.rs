@@ -376,6 +376,7 @@ impl Learner {
         // before it (in flight when the refusal came) to this one.
         if self.episode.is_some_and(|(end, _)| now >= end) {
             self.since_episode = (0, None);
+            self.episode = None;
         }
         let (n, first) = &mut self.since_episode;
         *n += 1;
@@ -492,34 +493,30 @@ impl Learner {
             // (unless probing upwards, when the sample is of slower paces). A limiter
             // that said when to come back shows it in the answers since its last
             // refusal; a bare one in the last seconds' answers, once its refusals
-            // are a fair share of them. One of several replicas sees a sample of the
-            // group's answers: what the group let through is its bookings the shared
-            // store counted in the last second, times the share of them this replica
-            // saw accepted (else it steps down).
+            // are a fair share of them (not read by one of several replicas, whose
+            // share of the answers is too small a sample: it steps down instead).
             Some(pace) if !announced && !self.slow_start => {
                 let answered = refused as f64 + accepted as f64;
-                let fair_share = refused as f64 >= REFUSED_SHARE * answered;
-                let bare = match self.replicas {
-                    1 => seen
-                        .filter(|_| fair_share && refused >= MIN_PACED_REFUSALS)
-                        .map(|(s, _)| s),
-                    _ => (self.booked_within(sent, CALM))
-                        .filter(|_| fair_share)
-                        .map(|booked| booked.saturating_sub(1) as f64 * accepted as f64 / answered),
-                };
+                let bare = seen
+                    .filter(|_| refused >= MIN_PACED_REFUSALS && self.replicas == 1)
+                    .filter(|_| refused as f64 >= REFUSED_SHARE * answered)
+                    .map(|(s, _)| s);
+                // A token bucket refills during the pause it asks for and lets a burst
+                // through after it, which reads as a rate above its own within one
+                // window: over the last seconds, pauses included, it shows less.
+                let horizon = seen.filter(|_| self.replicas == 1).map(|(s, _)| s);
                 let let_through = match said {
-                    true => self.window_seen(now, sent, pause),
+                    true => (self.window_seen(now, sent, pause))
+                        .map(|window| horizon.map_or(window, |h| h.min(window))),
                     false => bare,
                 }
                 .filter(|seen| seen.is_finite() && *seen > 0.0);
                 // What a bare limiter let through, spaced by the refusals in between,
                 // can be well below its rate: the rate climbs back when calm, to at
-                // most [`ABOVE_SEEN`] times that, and (one replica alone) a step under
-                // the gap since the last answer accepted: the upstream's interval is
-                // longer than that, no more.
-                let gap = (self.accepted.back())
-                    .filter(|_| self.replicas == 1)
-                    .map(|last| (now - *last).as_secs_f64());
+                // most [`ABOVE_SEEN`] times that and a step under the gap since the
+                // last answer accepted (the upstream's interval is longer than that,
+                // no more).
+                let gap = self.accepted.back().map(|last| (now - *last).as_secs_f64());
                 let below_gap = gap.filter(|g| *g > 0.0).map_or(f64::INFINITY, |g| STEP_DOWN / g);
                 let ceiling = (let_through)
                     .filter(|_| !said)
@@ -996,34 +993,27 @@ mod tests {
     }
 
     #[test]
-    fn one_of_three_replicas_reads_a_bare_limiter_from_the_shared_count() {
+    fn a_token_bucket_is_read_over_the_last_seconds_pauses_included() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
-        l.set_replicas(3);
-        // Told 8/s; a strict 5/s upstream accepts every other request of the group's.
-        // This replica saw two accepted and, now, two refused; the shared store counted
-        // eight bookings in the second before the one refused.
-        l.accepted(t0 + MS * 100);
-        l.accepted(t0 + MS * 500);
-        l.refused(t0 + MS * 300, t0 + MS * 300, MS * 12, false, Some(7.7));
-        let sent = t0 + MS * 900;
-        l.booked(sent - MS, sent - MS * 380, Some((8, S)));
-        l.refused(sent + MS * 2, sent, MS * 12, false, Some(7.2));
-        // Seven let through or refused, half of them accepted: 3.5 a second, to climb
-        // back from towards 4.4.
-        assert_eq!(rate(&l), Some(3.43));
-        for s in 2..=10 {
-            l.departed(t0 + S * s);
-        }
-        assert_eq!(rate(&l), Some(4.288));
-        // A replica that saw none of them accepted learns nothing from that: it steps
-        // (a double step: the episode before was just now).
-        let mut l = Learner::new(t0);
-        l.set_replicas(3);
-        l.refused(t0 + MS * 300, t0 + MS * 300, MS * 12, false, Some(7.7));
-        l.booked(sent - MS, sent - MS * 380, Some((8, S)));
-        l.refused(sent + MS * 2, sent, MS * 12, false, Some(7.2));
-        assert_eq!(rate(&l), Some(6.498));
+        // Told 8/s; a bucket of 5/s with a burst of 5 lets 14 through in 1.8 s, then
+        // refuses with Retry-After: 1: not clearly below the pace, a step.
+        let accept = |l: &mut Learner, from: u32, n: u32, every: u32| {
+            for k in 0..n {
+                l.accepted(t0 + MS * (from + k * every));
+            }
+        };
+        accept(&mut l, 0, 14, 130);
+        let first = t0 + MS * 1820;
+        l.refused(first, first, S, true, Some(7.84));
+        assert_eq!(rate(&l), Some(7.448));
+        // After the pause, full again: 16 more in 2.2 s at the lower pace. Since the
+        // last refusal that reads as 7.3/s; over the last five seconds, 5.9/s.
+        accept(&mut l, 2820, 16, 137);
+        let second = t0 + MS * 5020;
+        let pace = l.rate().unwrap().0;
+        l.refused(second, second, S, true, Some(pace));
+        assert_eq!(rate(&l), Some(5.812));
     }
 
     #[test]
