@@ -95,11 +95,11 @@ impl State {
                 (shared, Duration::from_secs_f64(1.0 / per_second))
             });
         let window = self.learner.count_window(self.rates.pace());
-        let yields = self.learner.yields();
+        let precedence = self.learner.precedence();
         Learning {
             publish,
             window,
-            yields,
+            precedence,
         }
     }
 }

@@ -112,6 +112,35 @@ impl Source {
     }
 }
 
+/// How a learned state published to a shared store ranks against one that another
+/// replica published less than a second before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precedence {
+    /// It replaces it: an announcement.
+    Replaces,
+    /// The slower holds: a step or a climb. The replicas' refusals of one overload
+    /// are one episode, and its slowest reading holds (a replica's booking counted
+    /// before another's refusal came back counts that refused request as let
+    /// through); a replica that climbs from a state it has not yet seen stepped down
+    /// elsewhere would undo the step (a climb comes a calm second later anyway).
+    Slower,
+    /// The faster holds: one replica's reading of an unpaced burst from its share of
+    /// the answers. A reading too fast is corrected by the refusal it meets; one too
+    /// slow by nothing.
+    Faster,
+}
+
+impl Precedence {
+    /// Its code in the shared store's booking script.
+    pub fn code(self) -> u8 {
+        match self {
+            Precedence::Replaces => 0,
+            Precedence::Slower => 1,
+            Precedence::Faster => 2,
+        }
+    }
+}
+
 /// What a group has learned about its upstream's budget.
 #[derive(Debug, Clone)]
 pub struct Learner {
@@ -148,10 +177,8 @@ pub struct Learner {
     /// The pause the last refusal that said one asked for: the window of a limiter
     /// that announces nothing else.
     said_window: Option<Duration>,
-    /// The last change is a step or a climb: from a refusal of a paced request (one
-    /// of the readings of an overload that every replica sees a part of, of which the
-    /// slowest holds) or a calm interval (which a step elsewhere outranks).
-    yields: bool,
+    /// How the last change ranks against another replica's.
+    precedence: Precedence,
     /// This replica's last bookings in the shared store: each one's slot, when it was
     /// booked, and the group's bookings within a window before it (that one included)
     /// with the window, when counted.
@@ -201,7 +228,7 @@ impl Learner {
             episode: None,
             said_window: None,
             booked: VecDeque::new(),
-            yields: false,
+            precedence: Precedence::Replaces,
         }
     }
 
@@ -251,11 +278,10 @@ impl Learner {
             .map(|(rate, source)| (rate * self.factor * MARGIN, source))
     }
 
-    /// Whether the last change of the learned state is a step or a climb, which a
-    /// slower state another replica published less than a second before outranks
-    /// (not an announcement, nor the first reading of an unpaced burst).
-    pub fn yields(&self) -> bool {
-        self.yields
+    /// How the last change of the learned state ranks against a state another
+    /// replica published less than a second before.
+    pub fn precedence(&self) -> Precedence {
+        self.precedence
     }
 
     /// The learned state to share with other replicas; `None` until something is
@@ -358,7 +384,7 @@ impl Learner {
         // newer announcement (the upstream may change its plan); step-downs stay.
         let moved = self.base != Some((rate, budget.source));
         if moved {
-            self.yields = false;
+            self.precedence = Precedence::Replaces;
             if self.base.is_none_or(|(_, s)| s == Source::Refusals) {
                 self.factor = 1.0;
             }
@@ -536,7 +562,11 @@ impl Learner {
         self.episode = Some((now + pause, refine));
         let moved = self.rate() != before;
         if moved {
-            self.yields = pace.is_some();
+            self.precedence = match (pace, self.replicas) {
+                (Some(_), _) => Precedence::Slower,
+                (None, 1) => Precedence::Replaces,
+                (None, _) => Precedence::Faster,
+            };
         }
         moved
     }
@@ -618,7 +648,7 @@ impl Learner {
             return false;
         }
         self.changed = now;
-        self.yields = true;
+        self.precedence = Precedence::Slower;
         true
     }
 }

@@ -33,7 +33,7 @@ use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
 
 use super::gcra::Gcra;
-use super::learn::{Shared, Source, COUNTED};
+use super::learn::{Precedence, Shared, Source, COUNTED};
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
@@ -49,19 +49,15 @@ const PROBE: Duration = Duration::from_millis(500);
 /// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 
-/// Books the next slot. A learned state published as a step or a climb does not
-/// replace a slower one published less than a second ago: the replicas' refusals of
-/// one overload are one episode, and its slowest reading holds (a replica's booking
-/// counted before another's refusal came back counts that refused request as let
-/// through), and a replica that climbs from a state it has not yet seen stepped down
-/// elsewhere would undo the step; a climb comes a calm second later anyway.
+/// Books the next slot. A learned state published replaces the one in Redis unless
+/// its [`Precedence`] says the one published less than a second before holds.
 ///
 /// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set,
 /// then one TAT key per rate. ARGV: the cost; the learned state to
 /// publish (its interval in µs, base, factor, source; the interval empty when there is
 /// nothing to publish); how long the learned hash lives, in ms; the window to count
 /// the group's bookings over, in µs (0: none), and the most bookings kept for that;
-/// whether the state published is a step or a climb (1 or 0); then
+/// its precedence ([`Precedence::code`]); then
 /// the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
 /// of pause left (≤ 0 when not paused), the learned base, factor and source in force
 /// (nil when none), and the bookings within the window before this one's departure,
@@ -72,9 +68,10 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local cost = tonumber(ARGV[1])
 if ARGV[2] ~= '' then
   local old = redis.call('HMGET', KEYS[2], 'interval', 'at')
-  local faster = old[1] and tonumber(ARGV[2]) < tonumber(old[1])
-  local recent = old[2] and now - tonumber(old[2]) < 1000000
-  if not (ARGV[9] == '1' and faster and recent) then
+  local recent = old[1] and old[2] and now - tonumber(old[2]) < 1000000
+  local faster = recent and tonumber(ARGV[2]) < tonumber(old[1])
+  local slower = recent and tonumber(ARGV[2]) > tonumber(old[1])
+  if not ((ARGV[9] == '1' and faster) or (ARGV[9] == '2' and slower)) then
     redis.call('HSET', KEYS[2], 'interval', ARGV[2], 'base', ARGV[3], 'factor', ARGV[4], 'source', ARGV[5], 'at', string.format('%.0f', now))
   end
 end
@@ -197,14 +194,14 @@ pub struct Reservation {
 }
 
 /// What a booking tells the store about the group's learning.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct Learning {
     /// A learned state to publish, with the interval to book it at.
     pub publish: Option<(Shared, Duration)>,
     /// The window to count the group's bookings over.
     pub window: Option<Duration>,
-    /// The state published is a step or a climb ([`super::learn::Learner::yields`]).
-    pub yields: bool,
+    /// How the state published ranks against one published just before.
+    pub precedence: Precedence,
 }
 
 /// The connection to Redis and what this replica knows about it.
@@ -337,7 +334,7 @@ impl Redis {
             call.arg(LEARNED_TTL.as_millis() as u64)
                 .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
                 .arg(COUNTED)
-                .arg(u8::from(learning.yields));
+                .arg(learning.precedence.code());
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
