@@ -543,7 +543,9 @@ impl Learner {
                 // last answer accepted (the upstream's interval is longer than that,
                 // no more).
                 let gap = self.accepted.back().map(|last| (now - *last).as_secs_f64());
-                let below_gap = gap.filter(|g| *g > 0.0).map_or(f64::INFINITY, |g| STEP_DOWN / g);
+                let below_gap = gap
+                    .filter(|g| *g > 0.0)
+                    .map_or(f64::INFINITY, |g| STEP_DOWN / g);
                 let ceiling = (let_through)
                     .filter(|_| !said)
                     .map(|seen| below_gap.min(seen * ABOVE_SEEN));
@@ -582,7 +584,9 @@ impl Learner {
             return;
         }
         self.since.get_or_insert(now);
-        let ceiling = ceiling.filter(|c| c.is_finite() && *c > seen).unwrap_or(seen);
+        let ceiling = ceiling
+            .filter(|c| c.is_finite() && *c > seen)
+            .unwrap_or(seen);
         self.base = Some((ceiling, Source::Refusals));
         self.factor = seen / ceiling;
         self.changed = now;
