@@ -24,8 +24,7 @@ use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
 use super::rate::Rates;
-use super::redis::{Learning, Reservation};
-use super::store::{Slot, Store, SHARED_MARGIN};
+use super::store::{Slot, Store};
 use crate::config::GroupSettings;
 use crate::metrics::GroupMetrics;
 
@@ -77,31 +76,10 @@ pub(super) struct State {
     pub(super) rates: Rates,
     pub(super) pause: Pause,
     adaptive: Adaptive,
-    learner: Learner,
+    pub(super) learner: Learner,
     /// The learned state changed here and the shared store has not been told yet: the
     /// next booking publishes it.
-    publish: bool,
-}
-
-impl State {
-    /// What the next booking in the shared store publishes of the learning done here
-    /// (taken: published once), and the window to count the group's bookings over.
-    pub(super) fn learning(&mut self) -> Learning {
-        let publish = std::mem::take(&mut self.publish)
-            .then(|| self.learner.shared())
-            .flatten()
-            .map(|shared| {
-                let per_second = (shared.rate() * SHARED_MARGIN).max(1e-6);
-                (shared, Duration::from_secs_f64(1.0 / per_second))
-            });
-        let window = self.learner.count_window(self.rates.pace());
-        let precedence = self.learner.precedence();
-        Learning {
-            publish,
-            window,
-            precedence,
-        }
-    }
+    pub(super) publish: bool,
 }
 
 /// A head whose slot is at least this far off sleeps on a kernel timer
@@ -483,38 +461,6 @@ impl Group {
         learn::spent_budget_pauses(state.rates.pace(), announced, ours)
     }
 
-    /// What the shared store answered a booking that published `learning` (`None`: it
-    /// did not answer), for the slot at `slot`: the learned rate in force there is adopted, the count of
-    /// bookings kept, and what did not reach it (or what it no longer has) is
-    /// published again with the next booking.
-    pub(super) fn shared_learning(
-        &self,
-        booked: Option<&Reservation>,
-        learning: Learning,
-        slot: Instant,
-    ) {
-        let mut state = self.lock();
-        let Some(booking) = booked else {
-            state.publish |= learning.publish.is_some();
-            return;
-        };
-        let now = Instant::now();
-        if booking.paused_for.is_none() {
-            let counted = learning.window.map(|w| (booking.booked_in_window, w));
-            state.learner.booked(slot, now, counted);
-        }
-        match booking.learned {
-            // Learned here since the booking left: that goes out with the next one.
-            _ if state.publish => {}
-            Some(shared) => {
-                if state.learner.adopt(shared, now) {
-                    self.apply_learned(&mut state);
-                }
-            }
-            None => state.publish = state.learner.shared().is_some(),
-        }
-    }
-
     /// The learned rate changed here: the rates and the metric follow, and the shared
     /// store is told with the next booking.
     fn relearn(&self, state: &mut State) {
@@ -524,7 +470,7 @@ impl Group {
 
     /// The learned rate changed (here or in the shared store): the rates and the
     /// metric follow.
-    fn apply_learned(&self, state: &mut State) {
+    pub(super) fn apply_learned(&self, state: &mut State) {
         let learned = state.learner.rate();
         state.rates.set_learned(learned.map(|(rate, _)| rate));
         for (gauge, source) in self

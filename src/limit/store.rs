@@ -5,14 +5,17 @@
 //! when the request actually leaves (so a head whose client goes spends no slot). The
 //! Redis store books the slot atomically in Redis, one round trip, and has nothing to
 //! record afterwards; while Redis does not answer it falls back to the local rates at
-//! this replica's share (`on_backend_error = "local"`) or refuses (`"deny"`).
+//! this replica's share (`on_backend_error = "local"`) or refuses (`"deny"`). A Redis
+//! booking also carries the group's learning: it publishes what this replica learned
+//! and answers the learned state every replica books against, which this one adopts.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::redis::Redis;
+use super::group::State;
+use super::redis::{Learning, Redis, Reservation};
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
 
@@ -106,6 +109,61 @@ impl Store {
         if let Store::Redis(redis) = self {
             let (redis, group) = (redis.clone(), group.clone());
             tokio::spawn(async move { redis.pause(&group, pause).await });
+        }
+    }
+}
+
+impl State {
+    /// What the next booking in the shared store publishes of the learning done here
+    /// (taken: published once), and the window to count the group's bookings over.
+    pub(super) fn learning(&mut self) -> Learning {
+        let publish = std::mem::take(&mut self.publish)
+            .then(|| self.learner.shared())
+            .flatten()
+            .map(|shared| {
+                let per_second = (shared.rate() * SHARED_MARGIN).max(1e-6);
+                (shared, Duration::from_secs_f64(1.0 / per_second))
+            });
+        let window = self.learner.count_window(self.rates.pace());
+        let precedence = self.learner.precedence();
+        Learning {
+            publish,
+            window,
+            precedence,
+        }
+    }
+}
+
+impl Group {
+    /// What the shared store answered a booking that published `learning` (`None`: it
+    /// did not answer), for the slot at `slot`: the learned rate in force there is
+    /// adopted, the count of bookings kept, and what did not reach it (or what it no
+    /// longer has) is published again with the next booking.
+    pub(super) fn shared_learning(
+        &self,
+        booked: Option<&Reservation>,
+        learning: Learning,
+        slot: Instant,
+    ) {
+        let mut state = self.lock();
+        let Some(booking) = booked else {
+            state.publish |= learning.publish.is_some();
+            return;
+        };
+        let now = Instant::now();
+        if booking.paused_for.is_none() {
+            let counted = learning.window.map(|w| (booking.booked_in_window, w));
+            state.learner.booked(slot, now, counted);
+        }
+        match booking.learned {
+            // Learned here since the booking left: that goes out with the next one.
+            _ if state.publish => {}
+            Some(shared) => {
+                if state.learner.adopt(shared, now) {
+                    self.apply_learned(&mut state);
+                }
+            }
+            None => state.publish = state.learner.shared().is_some(),
         }
     }
 }
