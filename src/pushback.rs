@@ -275,7 +275,7 @@ pub fn after_answer(
         }
         Verdict::Pause(pause) => {
             group.calm();
-            if group.spent_budget_pauses() {
+            if group.spent_budget_pauses(sent) {
                 group.pause_for(pause);
                 record_pause(group, pause, "budget spent (rate-limit headers)");
             }
@@ -285,7 +285,7 @@ pub fn after_answer(
         Verdict::Refused(pause) => (pause, false),
     };
     let (pause, said) = pause;
-    group.push_back(pause, said, sent);
+    let pause = group.push_back(pause, said, sent);
     record_pause(group, pause, "upstream pushed back");
     let in_time = arrived
         .checked_add(settings.max_wait)

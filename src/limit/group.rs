@@ -76,7 +76,10 @@ pub(super) struct State {
     pub(super) rates: Rates,
     pub(super) pause: Pause,
     adaptive: Adaptive,
-    learner: Learner,
+    pub(super) learner: Learner,
+    /// The learned state changed here and the shared store has not been told yet: the
+    /// next booking publishes it.
+    pub(super) publish: bool,
 }
 
 /// A head whose slot is at least this far off sleeps on a kernel timer
@@ -139,6 +142,7 @@ impl Group {
                 pause: Pause::default(),
                 adaptive: Adaptive::new(&settings, now),
                 learner: Learner::new(now),
+                publish: false,
             }),
             store,
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -294,11 +298,18 @@ impl Group {
                 continue;
             }
             if !booked {
+                // A retry that joined ahead of it meanwhile (during the pause its
+                // push-back caused, typically) goes first: before a slot is booked
+                // for this one in the shared store, where it would pass unused.
+                if self.lock().queue.retry_ahead_of(place.key) {
+                    return Ok(None);
+                }
                 // Listening before the slot is read: a reload after it wakes the sleep.
                 let reconfigured = self.reconfigured.notified();
                 tokio::pin!(reconfigured);
                 reconfigured.as_mut().enable();
                 match self.store.book(self, place.cost, now).await? {
+                    Slot::Paused => continue,
                     Slot::Booked(at) => {
                         booked = true;
                         sleep_until_slot(at).await;
@@ -388,10 +399,12 @@ impl Group {
     }
 
     /// The upstream pushed back on a request sent at `sent`: pause the group for
-    /// `pause` (`said`: the upstream said so, else it is a guess), learn from the
-    /// refusal, and in adaptive mode slow its rate down.
-    pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) {
-        {
+    /// `pause` (`said`: the upstream said so, else it is a guess; shorter when the
+    /// group's own answers show the window has room sooner, [`Learner::window_frees`]),
+    /// learn from the refusal, and in adaptive mode slow its rate down. Returns the
+    /// pause.
+    pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) -> Duration {
+        let pause = {
             let mut state = self.lock();
             let now = Instant::now();
             state.pause.pushed_back(now);
@@ -401,11 +414,14 @@ impl Group {
             }
             let pace = state.rates.pace().map(|p| 1.0 / p.as_secs_f64());
             state.learner.set_replicas(self.store.replicas());
+            let frees = state.learner.window_frees(now).filter(|_| said);
             if state.learner.refused(now, sent, pause, said, pace) {
                 self.relearn(&mut state);
             }
-        }
+            frees.map_or(pause, |frees| frees.min(pause))
+        };
         self.pause_for(pause);
+        pause
     }
 
     /// The upstream answered normally: the fallback backoff starts over, and the
@@ -430,18 +446,31 @@ impl Group {
     }
 
     /// Whether a spent budget (`Remaining: 0`) should pause the group now
-    /// ([`learn::spent_budget_pauses`]).
-    pub fn spent_budget_pauses(&self) -> bool {
+    /// ([`learn::spent_budget_pauses`]), answering a request sent at `sent`. The
+    /// group's own share of the window is what the shared store counted when it booked
+    /// that request; else this replica's estimate from the answers it saw.
+    pub fn spent_budget_pauses(&self, sent: Instant) -> bool {
         let state = self.lock();
+        let now = Instant::now();
         let announced = state.learner.announced_budget();
         let ours = announced.map_or(0, |(_, window)| {
-            state.learner.accepted_within(Instant::now(), window)
+            let learner = &state.learner;
+            (learner.booked_within(sent, window))
+                .unwrap_or_else(|| learner.accepted_within(now, window))
         });
         learn::spent_budget_pauses(state.rates.pace(), announced, ours)
     }
 
-    /// The learned rate changed: the rates and the metric follow.
+    /// The learned rate changed here: the rates and the metric follow, and the shared
+    /// store is told with the next booking.
     fn relearn(&self, state: &mut State) {
+        state.publish = true;
+        self.apply_learned(state);
+    }
+
+    /// The learned rate changed (here or in the shared store): the rates and the
+    /// metric follow.
+    pub(super) fn apply_learned(&self, state: &mut State) {
         let learned = state.learner.rate();
         state.rates.set_learned(learned.map(|(rate, _)| rate));
         for (gauge, source) in self

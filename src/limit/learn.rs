@@ -30,6 +30,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+mod shared;
+
+use shared::Booking;
+pub use shared::{Precedence, Shared};
+
 /// The share of a learned rate that is spent: enough room that jitter of a few
 /// milliseconds never puts one request too many in a window.
 pub const MARGIN: f64 = 0.98;
@@ -110,8 +115,23 @@ pub struct Learner {
     /// The refusal episode in force: until its pause ends, and whether its sample set
     /// the learned rate (then later refusals of the same episode refine it).
     episode: Option<(Instant, bool)>,
+    /// The pause the last refusal that said one asked for: the window of a limiter
+    /// that announces nothing else.
+    said_window: Option<Duration>,
+    /// How the last change ranks against another replica's.
+    precedence: Precedence,
+    /// This replica's last bookings in the shared store: each one's slot, when it was
+    /// booked, and the group's bookings within a window before it (that one included)
+    /// with the window, when counted.
+    booked: VecDeque<Booking>,
 }
 
+/// Bookings are counted in a shared store over windows of up to this many requests
+/// (one entry each); a count that reaches it says nothing.
+pub const COUNTED: u64 = 1_000;
+
+/// How many of this replica's last bookings keep the shared store's count.
+const BOOKINGS: usize = 16;
 /// How far back the accepted answers count for what the upstream lets through.
 pub const HORIZON: Duration = Duration::from_secs(5);
 /// The most accepted answers kept for that (at high rates the horizon is shorter).
@@ -123,6 +143,9 @@ const SAMPLE: usize = 256;
 const MIN_PACED_REFUSALS: usize = 2;
 /// See [`MIN_PACED_REFUSALS`].
 const REFUSED_SHARE: f64 = 0.2;
+/// A rate learned from bare refusals climbs back to at most this many times what the
+/// upstream let through.
+const ABOVE_SEEN: f64 = 1.25;
 /// While probing upwards (`slow_start`), each half calm interval multiplies the rate
 /// by this.
 pub const SLOW_START: f64 = 1.5;
@@ -144,6 +167,9 @@ impl Learner {
             refusals: VecDeque::new(),
             since_episode: (0, None),
             episode: None,
+            said_window: None,
+            booked: VecDeque::new(),
+            precedence: Precedence::Replaces,
         }
     }
 
@@ -180,6 +206,24 @@ impl Learner {
         (ours * scale).round() as u64
     }
 
+    /// How soon a window limiter that refused a request at `now` has room again, when
+    /// the group's own answers show it: the upstream accepted the announced quota of
+    /// the group's requests within the last window, so the oldest of those leaves the
+    /// window (a sliding one frees a place then; a fixed one has reset by then). A
+    /// reset given in whole seconds, rounded up, can be most of a second later. `None`
+    /// when fewer of the group's were accepted within the window (others spend the
+    /// budget too, or this is one of several replicas): the upstream's pause holds.
+    pub fn window_frees(&self, now: Instant) -> Option<Duration> {
+        let (quota, window) = self.budget?;
+        let quota = usize::try_from(quota).ok()?;
+        if self.replicas > 1 || quota == 0 || self.accepted.len() < quota {
+            return None;
+        }
+        let oldest = self.accepted[self.accepted.len() - quota];
+        let frees = oldest + window;
+        (now - oldest < window).then(|| frees - now)
+    }
+
     /// A response announced a budget. Returns whether the learned rate moved.
     pub fn announced(&mut self, budget: Announced, now: Instant) -> bool {
         let window = match (budget.window, budget.reset) {
@@ -201,6 +245,7 @@ impl Learner {
         // newer announcement (the upstream may change its plan); step-downs stay.
         let moved = self.base != Some((rate, budget.source));
         if moved {
+            self.precedence = Precedence::Replaces;
             if self.base.is_none_or(|(_, s)| s == Source::Refusals) {
                 self.factor = 1.0;
             }
@@ -218,6 +263,7 @@ impl Learner {
         // before it (in flight when the refusal came) to this one.
         if self.episode.is_some_and(|(end, _)| now >= end) {
             self.since_episode = (0, None);
+            self.episode = None;
         }
         let (n, first) = &mut self.since_episode;
         *n += 1;
@@ -227,7 +273,14 @@ impl Learner {
     /// What a limiter that said when to come back let through since its last refusal:
     /// the answers accepted since then, over the time since the first of them or the
     /// pause it asks for, whichever is longer (it refills within that pause).
-    fn window_seen(&self, now: Instant, pause: Duration) -> Option<f64> {
+    ///
+    /// One of several replicas sees its share of those answers only: the shared store's
+    /// count of the group's bookings within that pause before the request refused (less
+    /// that one) is the group's when it has one.
+    fn window_seen(&self, now: Instant, sent: Instant, pause: Duration) -> Option<f64> {
+        if let (true, Some(booked)) = (self.replicas > 1, self.booked_within(sent, pause)) {
+            return Some((booked.saturating_sub(1)) as f64 / pause.as_secs_f64());
+        }
         let (n, first) = self.since_episode;
         let span = (now - first?).max(pause).as_secs_f64();
         (n >= 2 && span > 0.0).then(|| f64::from(n) * f64::from(self.replicas) / span)
@@ -276,8 +329,17 @@ impl Learner {
         pace: Option<f64>,
     ) -> bool {
         let before = self.rate();
-        // Sent before the learned rate held: not paced by it.
-        let pace = pace.filter(|_| self.since.is_none_or(|since| sent >= since));
+        if said && !pause.is_zero() && pause <= HORIZON {
+            self.said_window = Some(pause);
+        }
+        // Sent, or booked in the shared store, before the learned rate held: not paced
+        // by it.
+        // An announced window's worth of requests paced faster before it says nothing
+        // either: the window still held them.
+        let paced_from = self.booking(sent).map_or(sent, |(_, at, _)| *at);
+        let settle = self.budget.map_or(Duration::ZERO, |(_, window)| window);
+        let stale = self.since.is_some_and(|since| paced_from < since + settle);
+        let pace = pace.filter(|_| !stale);
         if let Some((end, refine)) = self.episode.filter(|(end, _)| now < *end) {
             let end = end.max(now + pause);
             if let (true, Some((seen, _))) = (refine, self.seen(now, end - now)) {
@@ -285,6 +347,11 @@ impl Learner {
             }
             self.episode = Some((end, refine));
             return self.rate() != before;
+        }
+        // A refusal of a request sent before the rate in force was learned (or adopted
+        // from another replica) says nothing about that rate.
+        if stale && self.base.is_some() {
+            return false;
         }
         let announced = self.announced_rate().is_some();
         let seen = self.seen(now, pause);
@@ -314,17 +381,37 @@ impl Learner {
             // that said when to come back shows it in the answers since its last
             // refusal; a bare one in the last seconds' answers, once its refusals
             // are a fair share of them (not read by one of several replicas, whose
-            // refusals mix with the others' pace: it steps down instead).
+            // share of the answers is too small a sample: it steps down instead).
             Some(pace) if !announced && !self.slow_start => {
-                let bare_share = refused >= MIN_PACED_REFUSALS
-                    && refused as f64 >= REFUSED_SHARE * (refused as f64 + accepted as f64)
-                    && self.replicas == 1;
+                let answered = refused as f64 + accepted as f64;
+                let bare = seen
+                    .filter(|_| refused >= MIN_PACED_REFUSALS && self.replicas == 1)
+                    .filter(|_| refused as f64 >= REFUSED_SHARE * answered)
+                    .map(|(s, _)| s);
+                // A token bucket refills during the pause it asks for and lets a burst
+                // through after it, which reads as a rate above its own within one
+                // window: over the last seconds, pauses included, it shows less.
+                let horizon = seen.filter(|_| self.replicas == 1).map(|(s, _)| s);
                 let let_through = match said {
-                    true => self.window_seen(now, pause),
-                    false => seen.filter(|_| bare_share).map(|(s, _)| s),
-                };
+                    true => (self.window_seen(now, sent, pause))
+                        .map(|window| horizon.map_or(window, |h| h.min(window))),
+                    false => bare,
+                }
+                .filter(|seen| seen.is_finite() && *seen > 0.0);
+                // What a bare limiter let through, spaced by the refusals in between,
+                // can be well below its rate: the rate climbs back when calm, to at
+                // most [`ABOVE_SEEN`] times that and a step under the gap since the
+                // last answer accepted (the upstream's interval is longer than that,
+                // no more).
+                let gap = self.accepted.back().map(|last| (now - *last).as_secs_f64());
+                let below_gap = gap
+                    .filter(|g| *g > 0.0)
+                    .map_or(f64::INFINITY, |g| STEP_DOWN / g);
+                let ceiling = (let_through)
+                    .filter(|_| !said)
+                    .map(|seen| below_gap.min(seen * ABOVE_SEEN));
                 match let_through.filter(|s| *s < pace * STEP_DOWN) {
-                    Some(seen) => self.learn(seen, now),
+                    Some(seen) => self.learn_below(seen, ceiling, now),
                     None => self.step_down(now, pace),
                 }
                 false
@@ -336,13 +423,33 @@ impl Learner {
             }
         };
         self.episode = Some((now + pause, refine));
-        self.rate() != before
+        let moved = self.rate() != before;
+        if moved {
+            self.precedence = match (pace, self.replicas) {
+                (Some(_), _) => Precedence::Slower,
+                (None, 1) => Precedence::Replaces,
+                (None, _) => Precedence::Faster,
+            };
+        }
+        moved
     }
 
     fn learn(&mut self, seen: f64, now: Instant) {
+        self.learn_below(seen, None, now);
+    }
+
+    /// Learns `seen` as what the upstream lets through, to climb back from when calm
+    /// up to `ceiling` (a rate known to be refused only above it), if higher.
+    fn learn_below(&mut self, seen: f64, ceiling: Option<f64>, now: Instant) {
+        if !(seen.is_finite() && seen > 0.0) {
+            return;
+        }
         self.since.get_or_insert(now);
-        self.base = Some((seen, Source::Refusals));
-        self.factor = 1.0;
+        let ceiling = ceiling
+            .filter(|c| c.is_finite() && *c > seen)
+            .unwrap_or(seen);
+        self.base = Some((ceiling, Source::Refusals));
+        self.factor = seen / ceiling;
         self.changed = now;
         self.stepped_at = Some(now);
     }
@@ -350,18 +457,26 @@ impl Learner {
     /// Lowers the rate in force to [`STEP_DOWN`] of `pace`, at most once per two of
     /// its intervals (or per [`CALM`] when that is shorter): the requests in flight
     /// when it stepped were sent at the old pace, and their refusals say nothing new.
+    ///
+    /// A step that follows the last one within [`CALM`] of the end of its episode is
+    /// the square of [`STEP_DOWN`]: refusals episode after episode say the pace is
+    /// still well above the upstream's, and small steps would take many more of them.
     fn step_down(&mut self, now: Instant, pace: f64) {
         let episode = CALM.min(Duration::from_secs_f64(2.0 / pace.max(1e-6)));
         if self.stepped_at.is_some_and(|at| now - at < episode) {
             return;
         }
+        let step = match self.stepped_at {
+            Some(at) if now - at < episode + CALM => STEP_DOWN * STEP_DOWN,
+            _ => STEP_DOWN,
+        };
         self.stepped_at = Some(now);
         self.changed = now;
         match self.base {
             // Below what the upstream announced, which stays the ceiling.
             Some((base, source)) if source != Source::Refusals && base > 0.0 => {
-                let target = pace * STEP_DOWN / (base * MARGIN);
-                self.factor = target.min(self.factor * STEP_DOWN).max(0.01);
+                let target = pace * step / (base * MARGIN);
+                self.factor = target.min(self.factor * step).max(0.01);
             }
             // Probing upwards, it went too far in the last step: back to halfway
             // between that step's start and the pace refused. The answers so far were
@@ -377,7 +492,7 @@ impl Learner {
             // back to.
             _ => {
                 self.base = Some((pace, Source::Refusals));
-                self.factor = STEP_DOWN / MARGIN;
+                self.factor = step / MARGIN;
             }
         }
         self.slow_start = false;
@@ -398,6 +513,7 @@ impl Learner {
             return false;
         }
         self.changed = now;
+        self.precedence = Precedence::Slower;
         true
     }
 }
@@ -483,6 +599,82 @@ mod tests {
                 "{pace:?} {announced:?} {ours}"
             );
         }
+    }
+
+    #[test]
+    fn a_window_full_of_the_groups_own_requests_frees_when_the_oldest_leaves_it() {
+        let t0 = Instant::now();
+        let ietf = |l: &mut Learner| {
+            l.announced(
+                Announced {
+                    quota: 5,
+                    window: Some(S),
+                    reset: None,
+                    source: Source::RatelimitPolicy,
+                },
+                t0,
+            )
+        };
+        // (accepted at these ms, refused at, replicas, frees in ms)
+        let cases: &[(&[u64], u64, u32, Option<u64>)] = &[
+            // Five of ours within the window: the first leaves it at 1050 ms.
+            (&[50, 250, 450, 650, 850], 990, 1, Some(60)),
+            (&[0, 50, 250, 450, 650, 850], 990, 1, Some(60)),
+            // Only four of ours: someone else spent the fifth.
+            (&[250, 450, 650, 850], 990, 1, None),
+            // Ours span more than the window: it is not ours that filled it.
+            (&[0, 250, 450, 650, 850], 1100, 1, None),
+            // One of three replicas sees a third of the group's answers.
+            (&[50, 250, 450, 650, 850], 990, 3, None),
+        ];
+        for (accepted, refused, replicas, frees) in cases {
+            let mut l = Learner::new(t0);
+            ietf(&mut l);
+            l.set_replicas(*replicas);
+            for at in *accepted {
+                l.accepted(t0 + MS * *at as u32);
+            }
+            let got = l.window_frees(t0 + MS * *refused as u32);
+            assert_eq!(got, frees.map(|ms| MS * ms as u32), "{accepted:?}");
+        }
+        // Nothing announced: nothing known of the window.
+        let mut l = Learner::new(t0);
+        for at in [50, 250, 450, 650, 850] {
+            l.accepted(t0 + MS * at);
+        }
+        assert_eq!(l.window_frees(t0 + MS * 990), None);
+    }
+
+    #[test]
+    fn the_groups_bookings_counted_in_the_shared_store_read_a_said_window() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        // Told 8/s; a sliding window of 5 a second refuses with Retry-After: 1. This
+        // replica saw two of the five accepted: alone, that reads as 6/s.
+        l.accepted(t0 + MS * 300);
+        l.accepted(t0 + MS * 700);
+        let first = t0 + MS * 800;
+        assert!(l.refused(first, first, S, true, Some(7.8)));
+        // Counted over the pause it said; not at all at 10 000/s, nor unpaced.
+        assert_eq!(l.count_window(Some(MS * 204)), Some(S));
+        assert_eq!(l.count_window(Some(MS / 10)), None);
+        assert_eq!(l.count_window(None), None);
+        // The shared store counted six bookings of the group in the second before this
+        // replica's next request, that one included: five were let through.
+        let next = t0 + MS * 2900;
+        l.accepted(next - MS * 500);
+        l.accepted(next - MS * 100);
+        // Its slot at 2.89 s counted six; the next head's, booked before the refusal
+        // came back, seven.
+        l.booked(next - MS * 10, next - MS * 100, Some((6, S)));
+        l.booked(next + MS * 160, next, Some((7, S)));
+        assert_eq!(l.booked_within(next - MS * 5, S), Some(6));
+        assert_eq!(l.booked_within(next - MS * 5, S * 2), None);
+        assert_eq!(l.booked_within(next - MS * 20, S), None);
+        let pace = l.rate().unwrap().0 + 1.0;
+        l.refused(next, next - MS * 5, S, true, Some(pace));
+        assert_eq!(rate(&l), Some(4.9));
     }
 
     #[test]
@@ -604,11 +796,11 @@ mod tests {
         for i in 0..20 {
             l.accepted(t0 + S * 2 + MS * (50 * i));
         }
-        // Refused again: 5 % under that pace, then half the way back each calm second
-        // to 2 % under the pace refused.
-        assert!(l.refused(t0 + S * 3, t0 + S * 3, MS * 18, false, Some(5.513)));
+        // Refused again, a while later: 5 % under that pace, then half the way back
+        // each calm second to 2 % under the pace refused.
+        assert!(l.refused(t0 + S * 4, t0 + S * 4, MS * 18, false, Some(5.513)));
         assert_eq!(rate(&l), Some(5.237));
-        let climbed: Vec<_> = (4..=7)
+        let climbed: Vec<_> = (5..=8)
             .map(|s| {
                 l.departed(t0 + S * s);
                 rate(&l).unwrap()
@@ -639,6 +831,7 @@ mod tests {
             false,
             Some(9.5)
         ));
+        // The next episode, right after: still well too fast, a double step.
         assert!(l.refused(
             t0 + S * 10 + MS * 500,
             t0 + S * 10 + MS * 500,
@@ -646,7 +839,7 @@ mod tests {
             false,
             Some(9.5)
         ));
-        assert_eq!(rate(&l), Some(9.025));
+        assert_eq!(rate(&l), Some(8.574));
         // Calm seconds climb back to 2 % under the last pace refused.
         for s in 11..=40 {
             l.departed(t0 + S * s);
@@ -686,6 +879,36 @@ mod tests {
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::Refusals);
         assert!((3.9..=5.3).contains(&r), "{r}");
+        // Calm, it climbs back a little: the refusals spaced what it let through.
+        for s in 3..=10 {
+            l.departed(t0 + S * s);
+        }
+        let climbed = l.rate().unwrap().0;
+        assert!(climbed > r && climbed <= 5.3, "{r} {climbed}");
+    }
+
+    #[test]
+    fn a_token_bucket_is_read_over_the_last_seconds_pauses_included() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        // Told 8/s; a bucket of 5/s with a burst of 5 lets 14 through in 1.8 s, then
+        // refuses with Retry-After: 1: not clearly below the pace, a step.
+        let accept = |l: &mut Learner, from: u32, n: u32, every: u32| {
+            for k in 0..n {
+                l.accepted(t0 + MS * (from + k * every));
+            }
+        };
+        accept(&mut l, 0, 14, 130);
+        let first = t0 + MS * 1820;
+        l.refused(first, first, S, true, Some(7.84));
+        assert_eq!(rate(&l), Some(7.448));
+        // After the pause, full again: 16 more in 2.2 s at the lower pace. Since the
+        // last refusal that reads as 7.3/s; over the last five seconds, 5.9/s.
+        accept(&mut l, 2820, 16, 137);
+        let second = t0 + MS * 5020;
+        let pace = l.rate().unwrap().0;
+        l.refused(second, second, S, true, Some(pace));
+        assert_eq!(rate(&l), Some(5.812));
     }
 
     #[test]
@@ -717,6 +940,83 @@ mod tests {
     }
 
     #[test]
+    fn replicas_adopt_the_shared_state_and_step_down_once_per_episode() {
+        let t0 = Instant::now();
+        let shared = |base, factor| Shared {
+            base,
+            factor,
+            source: Source::Refusals,
+        };
+        // (the state here, the one shared, adopted, stepped down: no second step now)
+        let cases = [
+            (None, shared(5.0, 1.0), true, true),
+            (Some(shared(5.0, 1.0)), shared(5.0, 1.0), false, false),
+            (Some(shared(5.0, 1.0)), shared(5.0, 0.95), true, true),
+            // A climb adopted is no step.
+            (Some(shared(5.0, 0.9)), shared(5.0, 0.95), true, false),
+            (Some(shared(5.0, 1.0)), shared(f64::NAN, 1.0), false, false),
+        ];
+        for (here, there, adopted, stepped) in cases {
+            let mut l = Learner::new(t0);
+            l.set_replicas(3);
+            if let Some(here) = here {
+                l.adopt(here, t0);
+            }
+            let at = t0 + S * 5;
+            assert_eq!(l.adopt(there, at), adopted, "{here:?} {there:?}");
+            if !adopted {
+                continue;
+            }
+            assert_eq!(l.shared(), Some(there));
+            // Another replica's step already answered this episode: a refusal of a
+            // request paced by the adopted rate right after it steps no further.
+            let pace = there.rate();
+            l.refused(at + MS * 10, at + MS * 5, MS * 20, false, Some(pace));
+            let moved = l.shared() != Some(there);
+            assert_eq!(moved, !stepped, "{here:?} {there:?}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_of_a_request_booked_before_the_rate_was_learned_changes_nothing() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        // Booked at 5 ms for a slot at 380 ms; the first answer taught 5/s at 10 ms.
+        l.booked(t0 + MS * 380, t0 + MS * 5, None);
+        l.announced(x(5, 1000), t0 + MS * 10);
+        let before = l.shared();
+        assert!(!l.refused(t0 + MS * 390, t0 + MS * 381, S, true, Some(4.9)));
+        assert_eq!(l.shared(), before);
+        // Booked after it, but within the window that still held the faster ones:
+        // nothing either. Booked a window later: a step down.
+        l.booked(t0 + MS * 600, t0 + MS * 385, None);
+        assert!(!l.refused(t0 + MS * 610, t0 + MS * 601, S, true, Some(4.9)));
+        l.booked(t0 + MS * 1400, t0 + MS * 1020, None);
+        assert!(l.refused(t0 + MS * 1410, t0 + MS * 1401, S, true, Some(4.9)));
+    }
+
+    #[test]
+    fn a_refusal_of_a_request_sent_before_the_rate_was_adopted_changes_nothing() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        for i in 0..10 {
+            l.accepted(t0 + MS * (100 * i));
+        }
+        let five = Shared {
+            base: 5.0,
+            factor: 1.0,
+            source: Source::Refusals,
+        };
+        l.adopt(five, t0 + S * 2);
+        // Sent at 1.9 s, before the adoption: neither a step nor a new estimate.
+        assert!(!l.refused(t0 + S * 3, t0 + MS * 1900, S, true, Some(8.0)));
+        assert!(!l.refused(t0 + S * 3, t0 + MS * 1900, S, true, None));
+        assert_eq!(l.shared(), Some(five));
+    }
+
+    #[test]
     fn an_announced_budget_is_not_replaced_by_refusals_but_steps_down() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
@@ -724,7 +1024,9 @@ mod tests {
         for _ in 0..3 {
             l.accepted(t0);
         }
-        l.refused(t0, t0, S, true, Some(4.9));
+        // Within the first window, the requests before the rate held may be the cause.
+        assert!(!l.refused(t0 + MS * 900, t0 + MS * 900, S, true, Some(4.9)));
+        l.refused(t0 + S * 2, t0 + S * 2, S, true, Some(4.9));
         let (r, source) = l.rate().unwrap();
         assert_eq!(source, Source::LimitAndReset);
         assert!((r - 4.9 * STEP_DOWN).abs() < 1e-9, "{r}");

@@ -120,6 +120,12 @@ impl Rates {
         &self.in_force
     }
 
+    /// The configured rates in force, without the learned one (which the Redis store
+    /// shares among the replicas itself).
+    pub fn configured_in_force(&self) -> &[Gcra] {
+        &self.in_force[..self.configured.len()]
+    }
+
     /// The configured rates in force, in requests per second.
     pub fn per_second(&self) -> Vec<f64> {
         self.in_force[..self.configured.len()]

@@ -33,6 +33,7 @@ use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
 
 use super::gcra::Gcra;
+use super::learn::{Precedence, Shared, Source, COUNTED};
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
@@ -44,26 +45,73 @@ const HEARTBEAT: Duration = Duration::from_secs(2);
 const REPLICA_TTL: Duration = Duration::from_secs(10);
 /// How often a store that is down is probed.
 const PROBE: Duration = Duration::from_millis(500);
+/// How long a group's learned rate stays in Redis after its last booking: the
+/// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
+const LEARNED_TTL: Duration = Duration::from_secs(600);
 
-/// Books the next slot. KEYS: the pause key, then one TAT key per rate. ARGV: the cost,
-/// then the interval and tolerance of each rate, in µs. Returns the µs to wait and the
-/// µs of pause left (≤ 0 when not paused).
+/// Books the next slot. A learned state published replaces the one in Redis unless
+/// its [`Precedence`] says the one published less than a second before holds.
+///
+/// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set,
+/// then one TAT key per rate. ARGV: the cost; the learned state to
+/// publish (its interval in µs, base, factor, source; the interval empty when there is
+/// nothing to publish); how long the learned hash lives, in ms; the window to count
+/// the group's bookings over, in µs (0: none), and the most bookings kept for that;
+/// its precedence ([`Precedence::code`]); then
+/// the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
+/// of pause left (≤ 0 when not paused), the learned base, factor and source in force
+/// (nil when none), and the bookings within the window before this one's departure,
+/// this one included (0 when not counted, or when there were too many to count).
 const RESERVE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local cost = tonumber(ARGV[1])
-local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
-local depart = math.max(now, paused)
-local tats = {}
-for i = 2, #KEYS do
-  tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i - 1]))
+if ARGV[2] ~= '' then
+  local old = redis.call('HMGET', KEYS[2], 'interval', 'at')
+  local recent = old[1] and old[2] and now - tonumber(old[2]) < 1000000
+  local faster = recent and tonumber(ARGV[2]) < tonumber(old[1])
+  local slower = recent and tonumber(ARGV[2]) > tonumber(old[1])
+  if not ((ARGV[9] == '1' and faster) or (ARGV[9] == '2' and slower)) then
+    redis.call('HSET', KEYS[2], 'interval', ARGV[2], 'base', ARGV[3], 'factor', ARGV[4], 'source', ARGV[5], 'at', string.format('%.0f', now))
+  end
 end
-for i = 2, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 2])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]))
+local learned = redis.call('HMGET', KEYS[2], 'interval', 'base', 'factor', 'source')
+local interval = tonumber(learned[1] or 0) or 0
+local window = tonumber(ARGV[7])
+local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
+if paused > now then
+  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0 }
+end
+local depart = now
+local tats = {}
+for i = 5, #KEYS do
+  tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
+  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i + 1]))
+end
+local learned_tat = 0
+if interval > 0 then
+  learned_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
+  depart = math.max(depart, learned_tat)
+end
+for i = 5, #KEYS do
+  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i])
   redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 end
-return { depart - now, paused - now }
+if interval > 0 then
+  local tat = math.max(learned_tat, depart) + cost * interval
+  redis.call('SET', KEYS[3], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
+end
+local booked = 0
+if window > 0 then
+  redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%.0f', depart, now))
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%.0f', depart - window))
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[8]) - 1)
+  redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + window) / 1000) + 1000)
+  booked = redis.call('ZCARD', KEYS[4])
+  if booked >= tonumber(ARGV[8]) then booked = 0 end
+end
+return { depart - now, paused - now, learned[2], learned[3], learned[4], booked }
 ";
 
 /// Extends the group's pause. KEYS: the pause key. ARGV: the pause in µs.
@@ -108,13 +156,52 @@ end
 return redis.call('ZCARD', KEYS[1])
 ";
 
+/// The reservation script's answer.
+type Answer = (
+    i64,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    i64,
+);
+
+/// The learned state read back from Redis; `None` when absent or not understood (a
+/// replica of another version, say).
+fn shared(base: Option<String>, factor: Option<String>, source: Option<String>) -> Option<Shared> {
+    let shared = Shared {
+        base: base?.parse().ok()?,
+        factor: factor?.parse().ok()?,
+        source: Source::parse(&source?)?,
+    };
+    let valid = |x: f64| x.is_finite() && x > 0.0;
+    (valid(shared.base) && valid(shared.factor)).then_some(shared)
+}
+
 /// A booked slot.
 #[derive(Debug, Clone, Copy)]
 pub struct Reservation {
     /// How long until the request may leave.
     pub wait: Duration,
-    /// How long the group stays paused (by any replica's push-back), if it is.
+    /// How long the group stays paused (by any replica's push-back), if it is: then
+    /// nothing was booked.
     pub paused_for: Option<Duration>,
+    /// The learned rate every replica books against, if one was published.
+    pub learned: Option<Shared>,
+    /// The group's bookings within the counted window before this one's departure,
+    /// this one included (0 when not counted).
+    pub booked_in_window: u64,
+}
+
+/// What a booking tells the store about the group's learning.
+#[derive(Debug, Clone, Copy)]
+pub struct Learning {
+    /// A learned state to publish, with the interval to book it at.
+    pub publish: Option<(Shared, Duration)>,
+    /// The window to count the group's bookings over.
+    pub window: Option<Duration>,
+    /// How the state published ranks against one published just before.
+    pub precedence: Precedence,
 }
 
 /// The connection to Redis and what this replica knows about it.
@@ -206,14 +293,21 @@ impl Redis {
             .max(1)
     }
 
-    /// Books the next slot of `group` for a request of `cost` under `rates`. `None` when
+    /// Books the next slot of `group` for a request of `cost` under `rates` and the
+    /// learned rate shared in Redis (publishing `learning.publish` first). `None` when
     /// Redis is down (or just failed): the caller limits locally.
-    pub async fn reserve(&self, group: &str, rates: &[Gcra], cost: u32) -> Option<Reservation> {
+    pub async fn reserve(
+        &self,
+        group: &str,
+        rates: &[Gcra],
+        cost: u32,
+        learning: Learning,
+    ) -> Option<Reservation> {
         if !self.is_up() {
             return None;
         }
         let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
-        let pause_key = self.key(group, "pause");
+        let fixed_keys = ["pause", "learned", "rate:learned", "booked"].map(|k| self.key(group, k));
         let rate_keys: Vec<(String, u64, u64)> = rates
             .iter()
             .enumerate()
@@ -225,17 +319,34 @@ impl Redis {
             .collect();
         let booked = self.call(async move {
             let mut call = script.prepare_invoke();
-            call.key(pause_key).arg(cost);
+            for key in fixed_keys {
+                call.key(key);
+            }
+            call.arg(cost);
+            match learning.publish {
+                Some((shared, interval)) => call
+                    .arg(interval.as_micros().max(1) as u64)
+                    .arg(shared.base.to_string())
+                    .arg(shared.factor.to_string())
+                    .arg(shared.source.as_str()),
+                None => call.arg("").arg("").arg("").arg(""),
+            };
+            call.arg(LEARNED_TTL.as_millis() as u64)
+                .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
+                .arg(COUNTED)
+                .arg(learning.precedence.code());
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
-            call.invoke_async::<(i64, i64)>(&mut conn).await
+            call.invoke_async::<Answer>(&mut conn).await
         });
-        let (wait, paused) = booked.await?;
+        let (wait, paused, base, factor, source, booked) = booked.await?;
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
         Some(Reservation {
             wait: micros(wait),
             paused_for: (paused > 0).then(|| micros(paused)),
+            learned: shared(base, factor, source),
+            booked_in_window: booked.max(0) as u64,
         })
     }
 
@@ -450,6 +561,25 @@ fn replica_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_learned_state_is_read_back_only_when_whole_and_sane() {
+        let s = |x: &str| Some(x.to_string());
+        let read = |b: &str, f: &str, src: &str| shared(s(b), s(f), s(src));
+        assert_eq!(
+            read("5", "0.95", "refusals"),
+            Some(Shared {
+                base: 5.0,
+                factor: 0.95,
+                source: Source::Refusals
+            })
+        );
+        assert_eq!(read("5", "1", "tea-leaves"), None);
+        assert_eq!(read("NaN", "1", "refusals"), None);
+        assert_eq!(read("5", "0", "refusals"), None);
+        assert_eq!(read("", "1", "refusals"), None);
+        assert_eq!(shared(None, s("1"), s("refusals")), None);
+    }
 
     #[test]
     fn a_url_is_shown_without_its_password() {

@@ -5,14 +5,17 @@
 //! when the request actually leaves (so a head whose client goes spends no slot). The
 //! Redis store books the slot atomically in Redis, one round trip, and has nothing to
 //! record afterwards; while Redis does not answer it falls back to the local rates at
-//! this replica's share (`on_backend_error = "local"`) or refuses (`"deny"`).
+//! this replica's share (`on_backend_error = "local"`) or refuses (`"deny"`). A Redis
+//! booking also carries the group's learning: it publishes what this replica learned
+//! and answers the learned state every replica books against, which this one adopts.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::redis::Redis;
+use super::group::State;
+use super::redis::{Learning, Redis, Reservation};
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
 
@@ -36,6 +39,9 @@ pub enum Slot {
     Local(Instant),
     /// Booked in the shared store for this time: already counted.
     Booked(Instant),
+    /// The shared store holds the group paused (the group's pause now says until
+    /// when): nothing booked, to be asked again when the pause ends.
+    Paused,
 }
 
 impl Store {
@@ -61,27 +67,34 @@ impl Store {
         if let Store::Redis(redis) = self {
             // Booked a little under the rates: replicas wake up and send with a jitter
             // of their own, and a strict upstream refuses two requests closer than its
-            // interval, whichever replica sent them.
-            let rates: Vec<_> = group
-                .lock()
-                .rates
-                .in_force()
-                .iter()
-                .map(|r| r.scaled(SHARED_MARGIN))
-                .collect();
+            // interval, whichever replica sent them. The learned rate is the group's,
+            // kept in Redis: published by the replica that learned it.
+            let (rates, learning) = {
+                let mut state = group.lock();
+                let rates: Vec<_> = state
+                    .rates
+                    .configured_in_force()
+                    .iter()
+                    .map(|r| r.scaled(SHARED_MARGIN))
+                    .collect();
+                (rates, state.learning())
+            };
             // Boxed: the round trip's state is large, and inline it would size every
             // waiting request's future, with the memory store too.
-            let booked = Box::pin(redis.reserve(&group.name, &rates, cost)).await;
+            let booked = Box::pin(redis.reserve(&group.name, &rates, cost, learning)).await;
+            // Counted from when the answer came, not from `now`: the round trip is
+            // part of the wait.
+            let answered = Instant::now();
+            let slot = answered + booked.as_ref().map_or(Duration::ZERO, |b| b.wait);
+            group.shared_learning(booked.as_ref(), learning, slot);
             if let Some(booking) = booked {
-                // Counted from when the answer came, not from `now`: the round trip
-                // is part of the wait.
-                let answered = Instant::now();
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: requests already waiting here
-                    // honour it too.
+                    // honour it too, and this one books after it.
                     group.lock().pause.extend(answered + pause);
+                    return Ok(Slot::Paused);
                 }
-                return Ok(Slot::Booked(answered + booking.wait));
+                return Ok(Slot::Booked(slot));
             }
             if redis.on_error == OnBackendError::Deny {
                 return Err(Refusal::BackendDown);
@@ -96,6 +109,61 @@ impl Store {
         if let Store::Redis(redis) = self {
             let (redis, group) = (redis.clone(), group.clone());
             tokio::spawn(async move { redis.pause(&group, pause).await });
+        }
+    }
+}
+
+impl State {
+    /// What the next booking in the shared store publishes of the learning done here
+    /// (taken: published once), and the window to count the group's bookings over.
+    pub(super) fn learning(&mut self) -> Learning {
+        let publish = std::mem::take(&mut self.publish)
+            .then(|| self.learner.shared())
+            .flatten()
+            .map(|shared| {
+                let per_second = (shared.rate() * SHARED_MARGIN).max(1e-6);
+                (shared, Duration::from_secs_f64(1.0 / per_second))
+            });
+        let window = self.learner.count_window(self.rates.pace());
+        let precedence = self.learner.precedence();
+        Learning {
+            publish,
+            window,
+            precedence,
+        }
+    }
+}
+
+impl Group {
+    /// What the shared store answered a booking that published `learning` (`None`: it
+    /// did not answer), for the slot at `slot`: the learned rate in force there is
+    /// adopted, the count of bookings kept, and what did not reach it (or what it no
+    /// longer has) is published again with the next booking.
+    pub(super) fn shared_learning(
+        &self,
+        booked: Option<&Reservation>,
+        learning: Learning,
+        slot: Instant,
+    ) {
+        let mut state = self.lock();
+        let Some(booking) = booked else {
+            state.publish |= learning.publish.is_some();
+            return;
+        };
+        let now = Instant::now();
+        if booking.paused_for.is_none() {
+            let counted = learning.window.map(|w| (booking.booked_in_window, w));
+            state.learner.booked(slot, now, counted);
+        }
+        match booking.learned {
+            // Learned here since the booking left: that goes out with the next one.
+            _ if state.publish => {}
+            Some(shared) => {
+                if state.learner.adopt(shared, now) {
+                    self.apply_learned(&mut state);
+                }
+            }
+            None => state.publish = state.learner.shared().is_some(),
         }
     }
 }
