@@ -15,13 +15,17 @@ mod bodies;
 mod clients;
 mod misbehave;
 mod proxy;
+mod redis_server;
 mod tls;
 mod upstream;
 mod waits;
 
 // Each test file uses a different part.
 #[allow(unused_imports)]
-pub use {binary::*, bodies::*, clients::*, misbehave::*, proxy::*, tls::*, upstream::*, waits::*};
+pub use {
+    binary::*, bodies::*, clients::*, misbehave::*, proxy::*, redis_server::*, tls::*, upstream::*,
+    waits::*,
+};
 
 /// 127.0.0.1, where everything listens unless a test asks for another loopback address.
 pub const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
