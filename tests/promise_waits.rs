@@ -242,15 +242,16 @@ async fn try_it_eight_parallel_calls_to_an_upstream_of_one_a_second_all_get_200(
     assert_eq!(status["learned_from"], "refusals", "{status}");
 }
 
+/// README: "its first refusals teach the group 0.98/s" and the run takes about 8 s, 7
+/// at best. Timed by counting: after the first refusal no other is needed, so the
+/// upstream sees eight 200s and one 429 (two if a replay raced the lesson).
 #[tokio::test]
-#[ignore = "README says the first refusals teach 0.98/s and the run takes about 8 s; \
-            main learns about 1.5/s and takes about 11 s (issue 32 reworks learning)"]
 async fn try_it_the_first_refusals_teach_the_group_0_98_per_second() {
-    let (tollgate, _upstream, statuses, took) = try_it().await;
+    let (tollgate, upstream, statuses, _) = try_it().await;
     assert_eq!(statuses, [200; 8]);
     let status = group_status(&tollgate, "demo").await;
     let learned = status["learned_rate_per_second"].as_f64().unwrap();
     assert!((0.95..=1.0).contains(&learned), "{status}");
-    // Eight requests at 0.98/s: 7 s at best; "about 8 s".
-    assert!(took < Duration::from_secs(10), "{took:?}");
+    let refused = upstream.requests().len() - 8;
+    assert!((1..=2).contains(&refused), "{refused} refused: {status}");
 }

@@ -392,9 +392,14 @@ impl Learner {
                 // through after it, which reads as a rate above its own within one
                 // window: over the last seconds, pauses included, it shows less.
                 let horizon = seen.filter(|_| self.replicas == 1).map(|(s, _)| s);
+                // The window since the last refusal needs two answers accepted in it; a
+                // limiter that refuses every other request (a strict one paced at twice
+                // its rate) never shows that, and the last seconds' answers tell instead.
                 let let_through = match said {
-                    true => (self.window_seen(now, sent, pause))
-                        .map(|window| horizon.map_or(window, |h| h.min(window))),
+                    true => match (self.window_seen(now, sent, pause), horizon) {
+                        (Some(window), Some(h)) => Some(h.min(window)),
+                        (window, h) => window.or(h),
+                    },
                     false => bare,
                 }
                 .filter(|seen| seen.is_finite() && *seen > 0.0);
@@ -675,6 +680,19 @@ mod tests {
         let pace = l.rate().unwrap().0 + 1.0;
         l.refused(next, next - MS * 5, S, true, Some(pace));
         assert_eq!(rate(&l), Some(4.9));
+    }
+
+    #[test]
+    fn a_limiter_that_refuses_every_other_paced_request_is_read_from_the_last_seconds() {
+        // Told 2/s; the upstream allows one a second and says Retry-After: 1. Paced at
+        // 2/s, each refusal comes after a single answer accepted since the last one, so
+        // only the last seconds' answers show its rate: one over the pause it said.
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.accepted(t0);
+        let refused = t0 + MS * 500;
+        l.refused(refused, refused, S, true, Some(2.0));
+        assert_eq!(rate(&l), Some(0.98));
     }
 
     #[test]
