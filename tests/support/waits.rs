@@ -8,19 +8,11 @@ use super::*;
 /// Waits until `group`'s queue (waiting requests and the one at its head) holds `n`,
 /// as `/metrics` on the admin listener shows it.
 pub async fn wait_queued(proxy: &Proxy, group: &str, n: usize) {
-    let line = format!("tollgate_queue_depth{{group=\"{group}\"}} {n}\n");
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let metrics = admin_get(proxy, "/metrics").await;
-        if metrics.contains(&line) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "queue of {group} never held {n}:\n{metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_metric_line(
+        proxy,
+        &format!("tollgate_queue_depth{{group=\"{group}\"}} {n}"),
+    )
+    .await;
 }
 
 /// Waits until `/metrics` on the admin listener has a line that is exactly `line`
