@@ -310,7 +310,14 @@ impl Proxy {
         timing.upstream = opened.elapsed();
         let upstream = &to.group.metrics.upstream;
         match &answer {
-            Ok(response) => upstream.response(response.status().as_u16(), timing.upstream),
+            Ok(response) => {
+                upstream.response(response.status().as_u16(), timing.upstream);
+                // An open tunnel is a request the upstream took: it counts as an
+                // answer for the group's probe and push-back backoff.
+                if response.status().is_success() {
+                    to.group.calm();
+                }
+            }
             Err(e) => upstream.error(e.proxy_status_error()),
         }
         answer

@@ -3,7 +3,8 @@
 //! A request joins the group's FIFO queue ([`super::queue`]). When it reaches the head
 //! it holds the turn and waits, in this order, for a pause to end ([`super::pause`]),
 //! for its slot ([`super::store`], [`super::rate`]) and for a concurrency permit
-//! ([`super::permits`]); then it departs ([`Group::depart`], the one place a departure
+//! ([`super::permits`]); a group told no rate also waits for its probe
+//! ([`super::probe`]). Then it departs ([`Group::depart`], the one place a departure
 //! is recorded) and the turn goes to the next request.
 //!
 //! When the head departs and the requests right behind it are due too (a backlog at a
@@ -22,6 +23,7 @@ use super::adaptive::Adaptive;
 use super::learn::{self, Announced, Learner, Source};
 use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
+use super::probe::Probe;
 use super::queue::{Place, Queue};
 use super::rate::Rates;
 use super::store::{Slot, Store};
@@ -66,8 +68,9 @@ pub struct Group {
     /// Requests holding a permit.
     in_flight: AtomicUsize,
     state: Mutex<State>,
-    /// Wakes a head waiting for its slot when a reload changes the rate.
-    reconfigured: tokio::sync::Notify,
+    /// Wakes a head waiting for its slot when a reload changes the rate, or for the
+    /// probe when an answer comes.
+    wake: tokio::sync::Notify,
 }
 
 /// What changes as requests come and go, under one lock.
@@ -76,6 +79,7 @@ pub(super) struct State {
     pub(super) rates: Rates,
     pub(super) pause: Pause,
     adaptive: Adaptive,
+    probe: Probe,
     pub(super) learner: Learner,
     /// The learned state changed here and the shared store has not been told yet: the
     /// next booking publishes it.
@@ -116,6 +120,9 @@ pub struct GroupStatus {
     pub learned_rate_per_second: Option<f64>,
     /// Where the learned rate comes from.
     pub learned_from: Option<Source>,
+    /// Whether the group, told no rate, still sends its first requests a round of
+    /// answers at a time ([`super::probe`]).
+    pub probing: bool,
 }
 
 impl Group {
@@ -135,12 +142,13 @@ impl Group {
             name,
             permits: Permits::new(settings.concurrency, leases),
             in_flight: AtomicUsize::new(0),
-            reconfigured: tokio::sync::Notify::new(),
+            wake: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 queue: Queue::default(),
                 rates: Rates::new(&settings, now),
                 pause: Pause::default(),
                 adaptive: Adaptive::new(&settings, now),
+                probe: Probe::new(!settings.rates.is_empty()),
                 learner: Learner::new(now),
                 publish: false,
             }),
@@ -170,10 +178,13 @@ impl Group {
             let factor = state.adaptive.factor();
             state.rates.set_factor(factor);
         }
+        if !settings.rates.is_empty() {
+            state.probe.end();
+        }
         self.permits.resize(settings.concurrency);
         self.settings.store(Arc::new(settings));
         drop(state);
-        self.reconfigured.notify_waiters();
+        self.wake.notify_waiters();
     }
 
     /// Waits until a request of `cost` that arrived at `arrived` may leave, in FIFO
@@ -247,6 +258,7 @@ impl Group {
         let now = Instant::now();
         let open = state.queue.is_empty()
             && state.pause.until(now).is_none()
+            && state.probe.holds(now).is_none()
             && state.rates.earliest(1.0, now) <= now;
         if !open {
             return None;
@@ -276,7 +288,7 @@ impl Group {
         }
     }
 
-    /// Holding the turn: waits out a pause, the rate and a concurrency permit, then
+    /// Holding the turn: waits out a pause, the probe, the rate and a concurrency permit, then
     /// departs. `None` instead of departing when a retried request joined ahead of it
     /// meanwhile (typically during the pause its push-back caused): that goes first.
     async fn lead(self: &Arc<Self>, place: &Place) -> Result<Option<Permit>, Refusal> {
@@ -285,8 +297,16 @@ impl Group {
         let mut booked = false;
         let mut permit: Option<Held> = None;
         loop {
+            // Listening before the state is read: a reload or an answer after it wakes
+            // the wait.
+            let wake = self.wake.notified();
+            tokio::pin!(wake);
+            wake.as_mut().enable();
             let now = Instant::now();
-            let paused = self.lock().pause.until(now);
+            let (paused, probed) = {
+                let state = self.lock();
+                (state.pause.until(now), state.probe.holds(now))
+            };
             if let Some(until) = paused {
                 if place.deadline.is_some_and(|deadline| until > deadline) {
                     return Err(Refusal::WaitTooLong { ahead: until - now });
@@ -297,6 +317,14 @@ impl Group {
                 ready = ready.max(until);
                 continue;
             }
+            if let Some(until) = probed {
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => {}
+                    () = wake => {}
+                }
+                ready = ready.max(Instant::now());
+                continue;
+            }
             if !booked {
                 // A retry that joined ahead of it meanwhile (during the pause its
                 // push-back caused, typically) goes first: before a slot is booked
@@ -304,10 +332,6 @@ impl Group {
                 if self.lock().queue.retry_ahead_of(place.key) {
                     return Ok(None);
                 }
-                // Listening before the slot is read: a reload after it wakes the sleep.
-                let reconfigured = self.reconfigured.notified();
-                tokio::pin!(reconfigured);
-                reconfigured.as_mut().enable();
                 match self.store.book(self, place.cost, now).await? {
                     Slot::Paused => continue,
                     Slot::Booked(at) => {
@@ -319,7 +343,7 @@ impl Group {
                     Slot::Local(at) if at > now => {
                         tokio::select! {
                             () = sleep_until_slot(at) => {}
-                            () = reconfigured => {}
+                            () = wake => {}
                         }
                         continue;
                     }
@@ -352,6 +376,7 @@ impl Group {
     /// have come leave with it.
     fn depart(&self, state: &mut State, booked: bool, ready: Instant, cost: u32) {
         let now = Instant::now();
+        state.probe.departed(now);
         if state.adaptive.departed(now) {
             state.rates.set_factor(state.adaptive.factor());
         }
@@ -371,6 +396,9 @@ impl Group {
             return;
         }
         while let Some((cost, joined)) = state.queue.front() {
+            if state.probe.holds(now).is_some() {
+                return;
+            }
             let Some(held) = self.permits.try_now() else {
                 return;
             };
@@ -380,6 +408,7 @@ impl Group {
             if state.queue.release_front(held).is_err() {
                 return;
             }
+            state.probe.departed(now);
             after = slot;
         }
     }
@@ -418,6 +447,9 @@ impl Group {
             if state.learner.refused(now, sent, pause, said, pace) {
                 self.relearn(&mut state);
             }
+            if state.probe.end() {
+                self.wake.notify_waiters();
+            }
             frees.map_or(pause, |frees| frees.min(pause))
         };
         self.pause_for(pause);
@@ -430,6 +462,9 @@ impl Group {
         let mut state = self.lock();
         state.pause.calm();
         state.learner.accepted(Instant::now());
+        if state.probe.accepted() {
+            self.wake.notify_waiters();
+        }
     }
 
     /// An answer announced the upstream's budget.
@@ -473,6 +508,9 @@ impl Group {
     pub(super) fn apply_learned(&self, state: &mut State) {
         let learned = state.learner.rate();
         state.rates.set_learned(learned.map(|(rate, _)| rate));
+        if learned.is_some() && state.probe.end() {
+            self.wake.notify_waiters();
+        }
         for (gauge, source) in self
             .metrics
             .learned_rate
@@ -512,6 +550,7 @@ impl Group {
             effective_rates_per_second: state.rates.per_second(),
             learned_rate_per_second: state.learner.rate().map(|(rate, _)| rate),
             learned_from: state.learner.rate().map(|(_, source)| source),
+            probing: state.probe.is_on(now),
         }
     }
 
@@ -571,12 +610,16 @@ mod tests {
             ..GroupSettings::default()
         };
         f(&mut settings);
-        Arc::new(Group::new(
-            "g".into(),
-            settings,
-            Metrics::new().group("g"),
-            Store::Memory,
-        ))
+        let g = probing_group(settings);
+        // These tests drive admission without answers: the probe, which waits for
+        // answers, has tests of its own.
+        g.lock().probe.end();
+        g
+    }
+
+    fn probing_group(settings: GroupSettings) -> Arc<Group> {
+        let metrics = Metrics::new().group("g");
+        Arc::new(Group::new("g".into(), settings, metrics, Store::Memory))
     }
 
     /// Starts `n` requests in order; returns their (index, departure ms) in departure
@@ -671,6 +714,35 @@ mod tests {
         assert!(times[1] >= 60_000 && times[3] <= 60_000 + 300, "{times:?}");
         assert_eq!(start.elapsed().as_secs(), 60);
         assert_eq!(g.permits.available(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_group_told_no_rate_sends_a_round_of_answers_at_a_time() {
+        let g = probing_group(GroupSettings::default());
+        let start = Instant::now();
+        let mut waiting = Vec::new();
+        for _ in 0..8 {
+            let g = g.clone();
+            waiting.push(tokio::spawn(async move {
+                let permit = g.admit(1, Instant::now(), false).await.unwrap();
+                drop(permit);
+            }));
+            tokio::task::yield_now().await;
+        }
+        // (requests out after the round, answers accepted then): 1, 3, 7 out; the
+        // eighth waits for the probe's end.
+        for (window, answers) in [(1, 1), (3, 2), (7, 0)] {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let sent = waiting.iter().filter(|w| w.is_finished()).count();
+            assert_eq!(sent, window);
+            assert!(g.status().probing);
+            for _ in 0..answers {
+                g.calm();
+            }
+        }
+        waiting.pop().unwrap().await.unwrap();
+        assert_eq!(start.elapsed(), super::super::probe::PROBE_FOR);
+        assert!(!g.status().probing);
     }
 
     #[tokio::test(start_paused = true)]

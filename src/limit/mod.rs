@@ -20,6 +20,7 @@ pub mod group;
 pub mod learn;
 pub mod pause;
 pub mod permits;
+pub mod probe;
 pub mod queue;
 pub mod rate;
 pub mod redis;
