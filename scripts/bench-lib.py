@@ -215,7 +215,7 @@ def start_tollgate(children, config_text, workdir, listen_port, admin_port, log)
     proc = children.start(
         [str(BINARY), "--config", str(config), "--listen", f"127.0.0.1:{listen_port}"],
         log,
-        env={"RUST_LOG": "warn"},
+        env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
     )
     wait_for_port(listen_port, proc)
     wait_for_port(admin_port, proc)
