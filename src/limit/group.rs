@@ -417,6 +417,11 @@ impl Group {
     /// shared. Waiting requests that the pause (and the queue ahead of them after it)
     /// would keep past their `max_wait` are refused now.
     pub fn pause_for(&self, pause: Duration) {
+        self.hold(pause, false);
+    }
+
+    /// [`Group::pause_for`]; `refusal`: the upstream refused a request.
+    fn hold(&self, pause: Duration, refusal: bool) {
         let mut state = self.lock();
         state.pause.extend(Instant::now() + pause);
         if let Some(until) = state.pause.until(Instant::now()) {
@@ -424,7 +429,7 @@ impl Group {
             queue.refuse_hopeless(|ahead| until + rates.backlog(until, ahead));
         }
         drop(state);
-        self.store.pause(&self.name, pause);
+        self.store.pause(&self.name, pause, refusal);
     }
 
     /// The upstream pushed back on a request sent at `sent`: pause the group for
@@ -452,7 +457,7 @@ impl Group {
             }
             frees.map_or(pause, |frees| frees.min(pause))
         };
-        self.pause_for(pause);
+        self.hold(pause, true);
         pause
     }
 

@@ -33,7 +33,7 @@ use tokio::time::Instant;
 mod shared;
 
 use shared::Booking;
-pub use shared::{Precedence, Shared};
+pub use shared::{Counted, Precedence, Shared};
 
 /// The share of a learned rate that is spent: enough room that jitter of a few
 /// milliseconds never puts one request too many in a window.
@@ -115,6 +115,8 @@ pub struct Learner {
     /// The refusal episode in force: until its pause ends, and whether its sample set
     /// the learned rate (then later refusals of the same episode refine it).
     episode: Option<(Instant, bool)>,
+    /// The fastest rate that held a calm interval before a climb, per second.
+    calm_pace: Option<f64>,
     /// The pause the last refusal that said one asked for: the window of a limiter
     /// that announces nothing else.
     said_window: Option<Duration>,
@@ -168,6 +170,7 @@ impl Learner {
             since_episode: (0, None),
             episode: None,
             said_window: None,
+            calm_pace: None,
             booked: VecDeque::new(),
             precedence: Precedence::Replaces,
         }
@@ -380,14 +383,17 @@ impl Learner {
             // (unless probing upwards, when the sample is of slower paces). A limiter
             // that said when to come back shows it in the answers since its last
             // refusal; a bare one in the last seconds' answers, once its refusals
-            // are a fair share of them (not read by one of several replicas, whose
-            // share of the answers is too small a sample: it steps down instead).
+            // are a fair share of them. One of several replicas sees its share of the
+            // answers, too few to read: the shared store counts the group's.
             Some(pace) if !announced && !self.slow_start => {
                 let answered = refused as f64 + accepted as f64;
-                let bare = seen
-                    .filter(|_| refused >= MIN_PACED_REFUSALS && self.replicas == 1)
-                    .filter(|_| refused as f64 >= REFUSED_SHARE * answered)
-                    .map(|(s, _)| s);
+                let bare = match self.replicas {
+                    1 => seen
+                        .filter(|_| refused >= MIN_PACED_REFUSALS)
+                        .filter(|_| refused as f64 >= REFUSED_SHARE * answered)
+                        .map(|(s, _)| s),
+                    _ => self.group_let_through(sent, pace),
+                };
                 // A token bucket refills during the pause it asks for and lets a burst
                 // through after it, which reads as a rate above its own within one
                 // window: over the last seconds, pauses included, it shows less.
@@ -407,17 +413,27 @@ impl Learner {
                 // can be well below its rate: the rate climbs back when calm, to at
                 // most [`ABOVE_SEEN`] times that and a step under the gap since the
                 // last answer accepted (the upstream's interval is longer than that,
-                // no more).
-                let gap = self.accepted.back().map(|last| (now - *last).as_secs_f64());
+                // no more; one of several replicas does not see the group's gaps).
+                let gap = (self.accepted.back())
+                    .filter(|_| self.replicas == 1)
+                    .map(|last| (now - *last).as_secs_f64());
                 let below_gap = gap
                     .filter(|g| *g > 0.0)
                     .map_or(f64::INFINITY, |g| STEP_DOWN / g);
+                // A bare refusal of a pace climbed above one that held calm says the
+                // climb went too far: back to that one, which is the ceiling now.
+                if self.calm_pace.is_some_and(|c| c >= pace * STEP_DOWN) {
+                    self.calm_pace = None;
+                }
+                let calm = self.calm_pace.filter(|_| !said);
+                let below_calm = calm.map_or(f64::INFINITY, |c| c / MARGIN);
                 let ceiling = (let_through)
                     .filter(|_| !said)
-                    .map(|seen| below_gap.min(seen * ABOVE_SEEN));
-                match let_through.filter(|s| *s < pace * STEP_DOWN) {
-                    Some(seen) => self.learn_below(seen, ceiling, now),
-                    None => self.step_down(now, pace),
+                    .map(|seen| below_gap.min(seen * ABOVE_SEEN).min(below_calm));
+                match (let_through.filter(|s| *s < pace * STEP_DOWN), calm) {
+                    (Some(seen), _) => self.learn_below(seen, ceiling, now),
+                    (None, Some(_)) => self.learn(below_calm, now),
+                    (None, None) => self.step_down(now, pace),
                 }
                 false
             }
@@ -512,6 +528,7 @@ impl Learner {
         if self.slow_start && now - self.changed >= CALM / 2 {
             self.factor *= SLOW_START;
         } else if !self.slow_start && self.factor < 1.0 && now - self.changed >= CALM {
+            self.held_calm();
             // Half the way back to the ceiling each calm interval, at least a step.
             self.factor = (self.factor + ((1.0 - self.factor) / 2.0).max(CLIMB)).min(1.0);
         } else {
@@ -526,6 +543,15 @@ impl Learner {
 /// A spent budget is the group's own when it sent at least this share of the quota in
 /// the window: the rest may be late answers, or rounding of one replica's share.
 pub const OURS_SHARE: f64 = 0.8;
+
+impl Learner {
+    /// The rate in force held a calm interval.
+    fn held_calm(&mut self) {
+        if let Some((rate, _)) = self.rate() {
+            self.calm_pace = Some(self.calm_pace.map_or(rate, |c| c.max(rate)));
+        }
+    }
+}
 
 /// Records `now` in a sample of at most [`SAMPLE`] times.
 fn keep(times: &mut VecDeque<Instant>, now: Instant) {
@@ -672,8 +698,8 @@ mod tests {
         l.accepted(next - MS * 100);
         // Its slot at 2.89 s counted six; the next head's, booked before the refusal
         // came back, seven.
-        l.booked(next - MS * 10, next - MS * 100, Some((6, S)));
-        l.booked(next + MS * 160, next, Some((7, S)));
+        l.booked(next - MS * 10, next - MS * 100, Some(counted(6, 0)));
+        l.booked(next + MS * 160, next, Some(counted(7, 0)));
         assert_eq!(l.booked_within(next - MS * 5, S), Some(6));
         assert_eq!(l.booked_within(next - MS * 5, S * 2), None);
         assert_eq!(l.booked_within(next - MS * 20, S), None);
@@ -903,6 +929,56 @@ mod tests {
         }
         let climbed = l.rate().unwrap().0;
         assert!(climbed > r && climbed <= 5.3, "{r} {climbed}");
+    }
+
+    fn counted(booked: u64, refused: u64) -> Counted {
+        let window = S;
+        Counted {
+            booked,
+            refused,
+            window,
+        }
+    }
+
+    #[test]
+    fn one_of_three_replicas_reads_the_groups_refusals_counted_in_the_shared_store() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        // Three replicas told 8/s share slots; a strict 5/s upstream refuses a slot
+        // less than 200 ms after the last it accepted. This replica holds every third
+        // slot: its own answers are too few to read (stepping down 5-10 % an episode
+        // would take many), the store's count of the group's bookings and refusals
+        // within the last second is not.
+        let (mut at, mut last_ok) = (t0, None);
+        let (mut slots, mut refusals) = (Vec::new(), Vec::new());
+        for slot in 0u32.. {
+            if at - t0 > S * 10 {
+                break;
+            }
+            let pace = l.rate().map_or(8.0, |(r, _)| r.min(8.0));
+            slots.push(at);
+            let within = |times: &[Instant]| times.iter().filter(|t| at - **t < S).count();
+            let count = counted(within(&slots) as u64, within(&refusals) as u64);
+            let ok = last_ok.is_none_or(|last| at - last >= MS * 200);
+            match ok {
+                true => last_ok = Some(at),
+                false => refusals.push(at),
+            }
+            if slot % 3 == 0 {
+                l.booked(at, at, Some(count));
+                match ok {
+                    true => l.accepted(at),
+                    false => _ = l.refused(at, at, MS * 12, false, Some(pace)),
+                }
+                l.departed(at);
+            }
+            at += Duration::from_secs_f64(1.0 / pace);
+        }
+        let (r, source) = l.rate().unwrap();
+        assert_eq!(source, Source::Refusals);
+        assert!((4.4..=5.0).contains(&r), "{r}");
+        assert!(refusals.len() <= 8, "{}", refusals.len());
     }
 
     #[test]

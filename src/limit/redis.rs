@@ -33,7 +33,7 @@ use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
 
 use super::gcra::Gcra;
-use super::learn::{Precedence, Shared, Source, COUNTED};
+use super::learn::{Precedence, Shared, Source, COUNTED, HORIZON};
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
@@ -52,16 +52,17 @@ const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// Books the next slot. A learned state published replaces the one in Redis unless
 /// its [`Precedence`] says the one published less than a second before holds.
 ///
-/// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set,
-/// then one TAT key per rate. ARGV: the cost; the learned state to
+/// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set, the
+/// refused set ([`PAUSE`]), then one TAT key per rate. ARGV: the cost; the learned state to
 /// publish (its interval in µs, base, factor, source; the interval empty when there is
 /// nothing to publish); how long the learned hash lives, in ms; the window to count
 /// the group's bookings over, in µs (0: none), and the most bookings kept for that;
 /// its precedence ([`Precedence::code`]); then
 /// the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
 /// of pause left (≤ 0 when not paused), the learned base, factor and source in force
-/// (nil when none), and the bookings within the window before this one's departure,
-/// this one included (0 when not counted, or when there were too many to count).
+/// (nil when none), the bookings within the window before this one's departure,
+/// this one included (0 when not counted, or when there were too many to count), and
+/// the refusals within the window before now.
 const RESERVE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -81,29 +82,30 @@ local interval = tonumber(learned[1] or 0) or 0
 local window = tonumber(ARGV[7])
 local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
 if paused > now then
-  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0 }
+  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0, 0 }
 end
 local depart = now
 local tats = {}
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i + 1]))
+  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i - 1]))
 end
 local learned_tat = 0
 if interval > 0 then
   learned_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
   depart = math.max(depart, learned_tat)
 end
-for i = 5, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i])
+for i = 6, #KEYS do
+  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 2])
   redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 end
 if interval > 0 then
   local tat = math.max(learned_tat, depart) + cost * interval
   redis.call('SET', KEYS[3], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 end
-local booked = 0
+local booked, refused = 0, 0
 if window > 0 then
+  refused = redis.call('ZCOUNT', KEYS[5], string.format('(%.0f', now - window), '+inf')
   redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%.0f', depart, now))
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%.0f', depart - window))
   redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[8]) - 1)
@@ -111,14 +113,24 @@ if window > 0 then
   booked = redis.call('ZCARD', KEYS[4])
   if booked >= tonumber(ARGV[8]) then booked = 0 end
 end
-return { depart - now, paused - now, learned[2], learned[3], learned[4], booked }
+return { depart - now, paused - now, learned[2], learned[3], learned[4], booked, refused }
 ";
 
-/// Extends the group's pause. KEYS: the pause key. ARGV: the pause in µs.
+/// Extends the group's pause and, for the upstream's refusal, records it: the group's
+/// refusals, which a replica sees a share of, are counted here for every replica.
+/// KEYS: the pause key, the refused set. ARGV: the pause in µs; the refusal's id
+/// (empty: not a refusal), how long refusals are kept, in µs, and the most kept.
 const PAUSE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local pause = tonumber(ARGV[1])
+if ARGV[2] ~= '' then
+  local keep = tonumber(ARGV[3])
+  redis.call('ZADD', KEYS[2], now, string.format('%.0f:', now) .. ARGV[2])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[4]) - 1)
+  redis.call('PEXPIRE', KEYS[2], math.floor(keep / 1000) + 1000)
+end
 local current = tonumber(redis.call('GET', KEYS[1]) or 0)
 if now + pause > current then
   redis.call('SET', KEYS[1], string.format('%.0f', now + pause), 'PX', math.floor(pause / 1000) + 1000)
@@ -164,6 +176,7 @@ type Answer = (
     Option<String>,
     Option<String>,
     i64,
+    i64,
 );
 
 /// The learned state read back from Redis; `None` when absent or not understood (a
@@ -191,6 +204,8 @@ pub struct Reservation {
     /// The group's bookings within the counted window before this one's departure,
     /// this one included (0 when not counted).
     pub booked_in_window: u64,
+    /// The group's refusals within the counted window before the booking.
+    pub refused_in_window: u64,
 }
 
 /// What a booking tells the store about the group's learning.
@@ -307,7 +322,8 @@ impl Redis {
             return None;
         }
         let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
-        let fixed_keys = ["pause", "learned", "rate:learned", "booked"].map(|k| self.key(group, k));
+        let fixed_keys =
+            ["pause", "learned", "rate:learned", "booked", "refused"].map(|k| self.key(group, k));
         let rate_keys: Vec<(String, u64, u64)> = rates
             .iter()
             .enumerate()
@@ -340,27 +356,40 @@ impl Redis {
             }
             call.invoke_async::<Answer>(&mut conn).await
         });
-        let (wait, paused, base, factor, source, booked) = booked.await?;
+        let (wait, paused, base, factor, source, booked, refused) = booked.await?;
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
         Some(Reservation {
             wait: micros(wait),
             paused_for: (paused > 0).then(|| micros(paused)),
             learned: shared(base, factor, source),
             booked_in_window: booked.max(0) as u64,
+            refused_in_window: refused.max(0) as u64,
         })
     }
 
-    /// Pauses `group` on every replica for `pause` (counted on Redis's clock).
-    pub async fn pause(&self, group: &str, pause: Duration) {
+    /// Pauses `group` on every replica for `pause` (counted on Redis's clock);
+    /// `refusal`: the upstream refused a request, which the group's count keeps.
+    pub async fn pause(&self, group: &str, pause: Duration, refusal: bool) {
         if !self.is_up() {
             return;
         }
         let (script, mut conn) = (self.pause.clone(), self.conn.clone());
-        let key = self.key(group, "pause");
+        let keys = [self.key(group, "pause"), self.key(group, "refused")];
+        let id = match refusal {
+            true => format!(
+                "{}:{}",
+                self.id,
+                self.next_lease.fetch_add(1, Ordering::Relaxed)
+            ),
+            false => String::new(),
+        };
         let _: Option<i64> = self
             .call(async move {
                 let mut call = script.prepare_invoke();
-                call.key(key).arg(pause.as_micros() as u64);
+                call.key(&keys[0])
+                    .key(&keys[1])
+                    .arg(pause.as_micros() as u64);
+                call.arg(id).arg(HORIZON.as_micros() as u64).arg(COUNTED);
                 call.invoke_async(&mut conn).await
             })
             .await;

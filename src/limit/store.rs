@@ -15,6 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::group::State;
+use super::learn::Counted;
 use super::redis::{Learning, Redis, Reservation};
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
@@ -104,11 +105,12 @@ impl Store {
         Ok(Slot::Local(group.lock().rates.earliest(share, now)))
     }
 
-    /// Tells the other replicas that the group is paused for `pause`.
-    pub fn pause(&self, group: &Arc<str>, pause: Duration) {
+    /// Tells the other replicas that the group is paused for `pause`, because the
+    /// upstream refused a request (`refusal`) or its budget is spent.
+    pub fn pause(&self, group: &Arc<str>, pause: Duration, refusal: bool) {
         if let Store::Redis(redis) = self {
             let (redis, group) = (redis.clone(), group.clone());
-            tokio::spawn(async move { redis.pause(&group, pause).await });
+            tokio::spawn(async move { redis.pause(&group, pause, refusal).await });
         }
     }
 }
@@ -152,7 +154,11 @@ impl Group {
         };
         let now = Instant::now();
         if booking.paused_for.is_none() {
-            let counted = learning.window.map(|w| (booking.booked_in_window, w));
+            let counted = learning.window.map(|window| Counted {
+                booked: booking.booked_in_window,
+                refused: booking.refused_in_window,
+                window,
+            });
             state.learner.booked(slot, now, counted);
         }
         match booking.learned {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Learner, Source, BOOKINGS, CALM, COUNTED, MARGIN};
+use super::{Learner, Source, BOOKINGS, CALM, COUNTED, MARGIN, MIN_PACED_REFUSALS, REFUSED_SHARE};
 
 /// What replicas sharing a store share of their learning ([`Learner::shared`]): the
 /// learned rate before margin, the step it is at, and its source. The replica that
@@ -72,10 +72,25 @@ impl Precedence {
     }
 }
 
+/// A group booked at least this share of its pace over a window was busy for all of
+/// it: its refusals show the upstream's limit.
+const BUSY: f64 = 0.9;
+
 /// One of this replica's bookings in a shared store: its slot, when it was booked, and
-/// the group's bookings the store counted within a window before it (that one
-/// included), with the window.
-pub(super) type Booking = (Instant, Instant, Option<(u64, Duration)>);
+/// what the store counted of the group within a window before it.
+pub(super) type Booking = (Instant, Instant, Option<Counted>);
+
+/// What a shared store counted of a group's requests, from every replica, when it
+/// booked one: each replica sees only its share of the answers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Counted {
+    /// The bookings within `window` before this one's departure, this one included.
+    pub booked: u64,
+    /// The refusals within `window` before the booking.
+    pub refused: u64,
+    /// The window counted over.
+    pub window: Duration,
+}
 
 impl Learner {
     /// The window over which a shared store should count the group's bookings, paced
@@ -92,13 +107,12 @@ impl Learner {
     }
 
     /// The shared store gave this replica the slot `slot` at `now`, and counted
-    /// `counted`: the group's bookings within a window before it, that one included,
-    /// and the window.
-    pub fn booked(&mut self, slot: Instant, now: Instant, counted: Option<(u64, Duration)>) {
+    /// `counted` of the group.
+    pub fn booked(&mut self, slot: Instant, now: Instant, counted: Option<Counted>) {
         if self.booked.len() >= BOOKINGS {
             self.booked.pop_front();
         }
-        let counted = counted.filter(|(count, _)| *count > 0);
+        let counted = counted.filter(|c| c.booked > 0);
         self.booked.push_back((slot, now, counted));
     }
 
@@ -113,8 +127,29 @@ impl Learner {
     /// that one included, as the shared store counted them when booking it.
     pub fn booked_within(&self, sent: Instant, window: Duration) -> Option<u64> {
         let (slot, _, counted) = self.booking(sent)?;
-        let (count, w) = (*counted)?;
-        (w == window && sent - *slot < window).then_some(count)
+        let counted = (*counted)?;
+        (counted.window == window && sent - *slot < window).then_some(counted.booked)
+    }
+
+    /// What a bare limiter let through the group, per second, read from the shared
+    /// store's counts at the booking of the request that left at `sent` and was
+    /// refused: its bookings less its refusals (this one included) within the window.
+    /// `None` unless the refusals are a fair share of the bookings and the group was
+    /// booked at its `pace` (per second) for the whole window: else they show the
+    /// group's demand rather than the upstream's limit.
+    pub(super) fn group_let_through(&self, sent: Instant, pace: f64) -> Option<f64> {
+        let (_, _, counted) = self.booking(sent)?;
+        let Counted {
+            booked,
+            refused,
+            window,
+        } = (*counted)?;
+        let refused = refused + 1;
+        let busy = booked as f64 >= BUSY * pace * window.as_secs_f64();
+        let fair =
+            refused >= MIN_PACED_REFUSALS as u64 && refused as f64 >= REFUSED_SHARE * booked as f64;
+        (busy && fair && !window.is_zero())
+            .then(|| booked.saturating_sub(refused) as f64 / window.as_secs_f64())
     }
 
     /// How the last change of the learned state ranks against a state another
@@ -147,6 +182,10 @@ impl Learner {
         // and the requests sent before it were sent too fast to say anything about it.
         // The same or a higher one (a climb, an announcement) paced them alike.
         let lower = self.rate().is_none_or(|(rate, _)| shared.rate() < rate);
+        if !lower {
+            // Another replica climbed: the rate before held calm.
+            self.held_calm();
+        }
         if lower {
             self.stepped_at = Some(now);
             self.since = Some(now);
