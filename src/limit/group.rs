@@ -120,8 +120,7 @@ pub struct GroupStatus {
     pub learned_rate_per_second: Option<f64>,
     /// Where the learned rate comes from.
     pub learned_from: Option<Source>,
-    /// Whether the group, told no rate, still sends its first requests a round of
-    /// answers at a time ([`super::probe`]).
+    /// Whether the group, told no rate, is still probing ([`super::probe`]).
     pub probing: bool,
 }
 
@@ -288,9 +287,10 @@ impl Group {
         }
     }
 
-    /// Holding the turn: waits out a pause, the probe, the rate and a concurrency permit, then
-    /// departs. `None` instead of departing when a retried request joined ahead of it
-    /// meanwhile (typically during the pause its push-back caused): that goes first.
+    /// Holding the turn: waits out a pause, the probe, the rate and a concurrency
+    /// permit, then departs. `None` instead of departing when a retried request joined
+    /// ahead of it meanwhile (typically during the pause its push-back caused): that
+    /// goes first.
     async fn lead(self: &Arc<Self>, place: &Place) -> Result<Option<Permit>, Refusal> {
         // Since when nothing but the rate held the request back.
         let mut ready = place.joined;
@@ -318,10 +318,8 @@ impl Group {
                 continue;
             }
             if let Some(until) = probed {
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => {}
-                    () = wake => {}
-                }
+                // Whichever comes first: an answer, or the probe's end.
+                let _answered = tokio::time::timeout_at(until, wake).await;
                 ready = ready.max(Instant::now());
                 continue;
             }

@@ -420,19 +420,25 @@ impl Learner {
                 let below_gap = gap
                     .filter(|g| *g > 0.0)
                     .map_or(f64::INFINITY, |g| STEP_DOWN / g);
-                // A bare refusal of a pace climbed above one that held calm says the
-                // climb went too far: back to that one, which is the ceiling now.
-                if self.calm_pace.is_some_and(|c| c >= pace * STEP_DOWN) {
-                    self.calm_pace = None;
-                }
-                let calm = self.calm_pace.filter(|_| !said);
-                let below_calm = calm.map_or(f64::INFINITY, |c| c / MARGIN);
                 let ceiling = (let_through)
                     .filter(|_| !said)
-                    .map(|seen| below_gap.min(seen * ABOVE_SEEN).min(below_calm));
+                    .map(|seen| below_gap.min(seen * ABOVE_SEEN));
+                // Once a pace has held a calm interval, a bare refusal is not read as
+                // a rate any more: a strict limiter paced a little too fast refuses
+                // every other request, which reads as half of it. A pace climbed well
+                // above the calm one went too far: back to that, under a ceiling two
+                // steps below the pace refused. At about the calm pace, it steps down.
+                let calm = self.calm_pace.filter(|_| !said);
                 match (let_through.filter(|s| *s < pace * STEP_DOWN), calm) {
-                    (Some(seen), _) => self.learn_below(seen, ceiling, now),
-                    (None, Some(_)) => self.learn(below_calm, now),
+                    (_, Some(calm)) if calm < pace * STEP_DOWN => {
+                        let under_refused = pace * STEP_DOWN * STEP_DOWN / MARGIN;
+                        self.learn_below(calm / MARGIN, Some(under_refused), now);
+                    }
+                    (_, Some(_)) => {
+                        self.calm_pace = None;
+                        self.step_down(now, pace);
+                    }
+                    (Some(seen), None) => self.learn_below(seen, ceiling, now),
                     (None, None) => self.step_down(now, pace),
                 }
                 false
@@ -509,11 +515,12 @@ impl Learner {
                 self.accepted.clear();
                 self.refusals.clear();
             }
-            // Below the pace refused; the margin under it is the ceiling to climb
-            // back to.
+            // Below the pace refused, and a step under it is the ceiling to climb
+            // back to: climbing back to the pace refused would be refused again, a
+            // refusal every few seconds.
             _ => {
-                self.base = Some((pace, Source::Refusals));
-                self.factor = step / MARGIN;
+                self.base = Some((pace * STEP_DOWN / MARGIN, Source::Refusals));
+                self.factor = step / STEP_DOWN;
             }
         }
         self.slow_start = false;
@@ -840,8 +847,8 @@ mod tests {
         for i in 0..20 {
             l.accepted(t0 + S * 2 + MS * (50 * i));
         }
-        // Refused again, a while later: 5 % under that pace, then half the way back
-        // each calm second to 2 % under the pace refused.
+        // Refused again, a while later: 5 % under that pace, which is the ceiling too:
+        // climbing back to the pace refused would meet the next refusal.
         assert!(l.refused(t0 + S * 4, t0 + S * 4, MS * 18, false, Some(5.513)));
         assert_eq!(rate(&l), Some(5.237));
         let climbed: Vec<_> = (5..=8)
@@ -850,7 +857,7 @@ mod tests {
                 rate(&l).unwrap()
             })
             .collect();
-        assert_eq!(climbed, [5.32, 5.374, 5.403, 5.403]);
+        assert_eq!(climbed, [5.237; 4]);
     }
 
     #[test]
@@ -884,11 +891,11 @@ mod tests {
             Some(9.5)
         ));
         assert_eq!(rate(&l), Some(8.574));
-        // Calm seconds climb back to 2 % under the last pace refused.
+        // Calm seconds climb back to 5 % under the last pace refused.
         for s in 11..=40 {
             l.departed(t0 + S * s);
         }
-        assert_eq!(rate(&l), Some(9.31));
+        assert_eq!(rate(&l), Some(9.025));
     }
 
     #[test]
