@@ -17,7 +17,8 @@
 //! * [`classify`] — decides forward / tunnel / route and rewrites route URIs, on the
 //!   canonical host ([`host`]) and the normalised path ([`path`]);
 //! * [`limit`] — groups: the FIFO queue, the rate (GCRA, in memory or in Redis), the
-//!   pause and concurrency permits;
+//!   pause and concurrency permits, the probe of a group told no rate, and the rate
+//!   learned from the upstream;
 //! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
 //! * [`intercept`] — or, for hosts in `[intercept]`, serve the tunnel with a
 //!   certificate for its host, so each request inside goes through this path again;

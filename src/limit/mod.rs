@@ -8,7 +8,9 @@
 //! * [`store`] — where the budget lives: [`rate`] in this process, [`redis`] shared;
 //! * [`gcra`] — the rate decision, pure;
 //! * [`adaptive`] — the adaptive rate (AIMD), pure;
-//! * [`permits`] — concurrency permits.
+//! * [`permits`] — concurrency permits;
+//! * [`probe`] — the first requests of a group told no rate, pure;
+//! * [`learn`] — the budget learned from the upstream, pure.
 //!
 //! Hosts listed in a `[[limit]]` share that group. Any other host gets a group of its
 //! own, built from `[defaults]` when first seen and evicted when idle, so memory follows
