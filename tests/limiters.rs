@@ -208,8 +208,8 @@ async fn told_nothing_a_sliding_window_is_learned_from_its_refusals_without_a_st
     let (upstream, record) = slow_limited(sliding, ANSWER_TIME).await;
     let proxy = start_proxy_with_admin(&config(None)).await;
     let record = run(&proxy, &upstream, &record).await;
-    // The probe lets out two more requests per accepted answer until the first
-    // refusal comes back: at most 2 × LIMIT + 1 before it, so at most LIMIT + 1
+    // The probe lets out 1.5 more requests per accepted answer until the first
+    // refusal comes back: fewer than 1.5 × LIMIT + 1 before it, so at most LIMIT + 1
     // refused, not the 20 of a burst sent at once. The replays leave one by one at the
     // learned pace (≈ 102 ms), not all at once to be refused again.
     assert!(
@@ -355,4 +355,39 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
         later <= 1,
         "{later} refusals after the first episode: {record:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn three_replicas_read_a_strict_limiter_from_the_groups_refusals() {
+    let redis = RedisServer::start().await;
+    let (upstream, record) = limited(Family::Strict { last: None }).await;
+    let shared = format!(
+        "[backend]\nkind = \"redis\"\nurl = \"{}\"\nreplicas = 3\ntimeout = \"300ms\"\n{}",
+        redis.url(),
+        config(Some("16/s"))
+    );
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        proxies.push(start_proxy(&shared).await);
+    }
+    // Six seconds' worth at the upstream's 10/s, a third through each replica.
+    let per_replica = 2 * LIMIT as usize;
+    let each = proxies.iter().enumerate().map(|(p, proxy)| {
+        let urls: Vec<String> = (0..per_replica)
+            .map(|i| upstream.url(&format!("/{p}-{i}")))
+            .collect();
+        get_all_at_once(proxy, urls)
+    });
+    let statuses = futures_util::future::join_all(each).await.concat();
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let record = record.lock().unwrap().clone();
+    assert_eq!(
+        record.iter().filter(|(_, s)| *s == 200).count(),
+        3 * per_replica
+    );
+    // Paced at 16/s, the strict limiter refuses every other request at first. Each
+    // replica sees a third of the answers; the refusals every replica recorded in
+    // Redis show the group's rate within about a second. Stepping down 5-10 % an
+    // episode instead takes five episodes or more, a dozen refusals and more.
+    assert!(refusals(&record) <= 9, "{} refused", refusals(&record));
 }

@@ -1,12 +1,15 @@
 //! The first requests of a group that was told no rate: sent the way TCP starts a
-//! connection, one, then twice as many with each round of answers.
+//! connection, one, then half as many again with each round of answers.
 //!
 //! A group without a rate knows nothing of its upstream's budget until answers come
 //! back: an announced budget ([`super::learn`]), or a refusal that shows what the
 //! upstream let through. A burst sent all at once before then meets the upstream's
 //! wall whole (30 requests to an upstream allowing 5 a second: 25 refused). So the
-//! group probes: a request may leave while fewer than `1 + 2 × accepted answers` have
-//! left, and the window doubles each round trip. The probe ends at the first rate the
+//! group probes: a request may leave while fewer than `1 + 1.5 × accepted answers`
+//! have left, and the window grows by half each round trip. The refusals of the round
+//! that meets the limit come back after its accepted answers have let more out: the
+//! overshoot is about half the quota (with a doubling window, the whole quota). The
+//! probe ends at the first rate the
 //! group learns, at the first refusal (the learner and the pause take over), or
 //! [`PROBE_FOR`] after its first request, whatever the answers: an upstream that
 //! answers slowly holds a new group's first burst for at most that long, once.
@@ -60,9 +63,10 @@ impl Probe {
     /// until `until`, when the probe ends anyway.
     pub fn holds(&self, now: Instant) -> Option<Instant> {
         let counts = self.counts.as_ref().filter(|_| self.is_on(now))?;
-        let window = 1 + 2 * u64::from(counts.accepted);
+        // sent < 1 + 1.5 × accepted, in whole numbers.
+        let open = 2 * u64::from(counts.sent) < 2 + 3 * u64::from(counts.accepted);
         let started = counts.started?;
-        (u64::from(counts.sent) >= window).then_some(started + PROBE_FOR)
+        (!open).then_some(started + PROBE_FOR)
     }
 
     /// A request left at `now`.
@@ -96,12 +100,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_window_doubles_with_each_round_of_answers() {
+    fn the_window_grows_by_half_with_each_round_of_answers() {
         let t0 = Instant::now();
         let mut probe = Probe::new(false);
         let (mut sent, mut accepted) = (0, 0);
         // Requests out after each round, every answer of the round accepted.
-        for window in [1, 3, 7, 15, 31] {
+        for window in [1, 3, 6, 10, 16, 25] {
             while probe.holds(t0).is_none() {
                 probe.departed(t0);
                 sent += 1;
