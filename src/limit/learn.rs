@@ -418,8 +418,8 @@ impl Learner {
                 // calm, to at most [`ABOVE_SEEN`] times that and a step under the gap
                 // since the last answer accepted (the upstream's interval is longer
                 // than that, no more). The group's count over a second it was busy
-                // for is what the upstream let through: no climb above it (which cost
-                // more refusals than it won budget against a strict limiter).
+                // for is what the upstream let through: no climb above it, where a
+                // strict limiter refuses.
                 let gap = (self.accepted.back())
                     .filter(|_| self.replicas == 1)
                     .map(|last| (now - *last).as_secs_f64());

@@ -24,7 +24,7 @@ use crate::config::OnBackendError;
 pub const SHARED_MARGIN: f64 = 0.98;
 /// What replicas add to each interval they book, at most 5 % of it: each replica wakes
 /// and sends with a jitter of its own, in absolute time, which a share covers only at
-/// low rates (at 50/s, 2 % is 0.4 ms; requests arrived 19.0 ms apart of 20).
+/// low rates (at 50/s, 2 % is 0.4 ms, less than a loaded host's wake-up jitter).
 pub const SHARED_JITTER: Duration = Duration::from_millis(1);
 
 /// The factor a rate of one request per `interval` is slowed by when replicas book it.
