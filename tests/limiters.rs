@@ -297,10 +297,11 @@ async fn a_pause_longer_than_max_wait_is_answered_at_once() {
     assert_eq!(upstream.paths(), ["/first"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
-async fn three_replicas_learn_a_sliding_window_as_one() {
-    let redis = RedisServer::start().await;
-    let (upstream, record) = limited(Family::Sliding { accepted: vec![] }).await;
+/// Three replicas told 16/s share `redis`; an upstream limiting like `family` gets six
+/// seconds' worth at its rate, a third through each replica, all at once. Checks every
+/// client got 200; returns the upstream's record.
+async fn three_replicas(redis: &RedisServer, family: Family) -> Vec<(Instant, u16)> {
+    let (upstream, record) = limited(family).await;
     let shared = format!(
         "[backend]\nkind = \"redis\"\nurl = \"{}\"\nreplicas = 3\ntimeout = \"300ms\"\n{}",
         redis.url(),
@@ -310,7 +311,6 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
     for _ in 0..3 {
         proxies.push(start_proxy(&shared).await);
     }
-    // Six windows' worth, a third through each replica, all at once.
     let per_replica = 2 * LIMIT as usize;
     let each = proxies.iter().enumerate().map(|(p, proxy)| {
         let urls: Vec<String> = (0..per_replica)
@@ -325,6 +325,13 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
         record.iter().filter(|(_, s)| *s == 200).count(),
         3 * per_replica
     );
+    record
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn three_replicas_learn_a_sliding_window_as_one() {
+    let redis = RedisServer::start().await;
+    let record = three_replicas(&redis, Family::Sliding { accepted: vec![] }).await;
     // The group's learned rate is in Redis, read from the group's bookings: about the
     // window's 10 a second, not what one replica made of its third of the answers.
     let mut conn = redis.conn().await;
@@ -360,31 +367,7 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn three_replicas_read_a_strict_limiter_from_the_groups_refusals() {
     let redis = RedisServer::start().await;
-    let (upstream, record) = limited(Family::Strict { last: None }).await;
-    let shared = format!(
-        "[backend]\nkind = \"redis\"\nurl = \"{}\"\nreplicas = 3\ntimeout = \"300ms\"\n{}",
-        redis.url(),
-        config(Some("16/s"))
-    );
-    let mut proxies = Vec::new();
-    for _ in 0..3 {
-        proxies.push(start_proxy(&shared).await);
-    }
-    // Six seconds' worth at the upstream's 10/s, a third through each replica.
-    let per_replica = 2 * LIMIT as usize;
-    let each = proxies.iter().enumerate().map(|(p, proxy)| {
-        let urls: Vec<String> = (0..per_replica)
-            .map(|i| upstream.url(&format!("/{p}-{i}")))
-            .collect();
-        get_all_at_once(proxy, urls)
-    });
-    let statuses = futures_util::future::join_all(each).await.concat();
-    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
-    let record = record.lock().unwrap().clone();
-    assert_eq!(
-        record.iter().filter(|(_, s)| *s == 200).count(),
-        3 * per_replica
-    );
+    let record = three_replicas(&redis, Family::Strict { last: None }).await;
     // Paced at 16/s, the strict limiter refuses every other request at first. Each
     // replica sees a third of the answers; the refusals every replica recorded in
     // Redis show the group's rate within about a second. Stepping down 5-10 % an

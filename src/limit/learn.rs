@@ -560,9 +560,7 @@ impl Learner {
         self.precedence = Precedence::Slower;
         true
     }
-}
 
-impl Learner {
     /// The rate in force held a calm interval.
     fn held_calm(&mut self) {
         if let Some((rate, _)) = self.rate() {

@@ -46,11 +46,6 @@ impl Probe {
         }
     }
 
-    /// An ended probe.
-    pub fn over() -> Probe {
-        Probe { counts: None }
-    }
-
     /// Whether the probe still runs at `now`.
     pub fn is_on(&self, now: Instant) -> bool {
         match &self.counts {
