@@ -15,7 +15,8 @@
 //!   first of them (or the pause its refusal asks for, when longer: a burst answered
 //!   at once), is the rate it let through. When it did not even say how long to pause (a bare
 //!   `429`), that rate is only a floor, and it is probed upwards ("slow start":
-//!   × [`SLOW_START`] each half calm interval) until a paced request is refused;
+//!   × [`SLOW_START`] each half calm interval, each calm interval when replicas share
+//!   the budget) until a paced request is refused;
 //! * a refusal of a request that was already **paced** means "slightly too fast"
 //!   (AIMD): the rate steps down to [`STEP_DOWN`] of the pace, at most once per two
 //!   intervals, and each calm second climbs half the way back (at least [`CLIMB`])
@@ -310,14 +311,9 @@ impl Learner {
         (span > 0.0).then_some((rate, n))
     }
 
-    /// `replicas` share the upstream's budget (1 unless the store is shared). Probing
-    /// upwards is off when they are several: the other replicas' refusals are not
-    /// seen here, and one replica would probe on alone.
+    /// `replicas` share the upstream's budget (1 unless the store is shared).
     pub fn set_replicas(&mut self, replicas: u32) {
         self.replicas = replicas.max(1);
-        if self.replicas > 1 {
-            self.slow_start = false;
-        }
     }
 
     /// The upstream refused a request sent at `sent` at `now` and asks for `pause`;
@@ -381,7 +377,7 @@ impl Learner {
                 self.refusals.clear();
                 // Learned now or later in the episode, a rate guessed from refusals
                 // that said nothing is only a floor.
-                self.slow_start = !announced && !said && self.replicas == 1;
+                self.slow_start = !announced && !said;
                 !announced
             }
             // Paced, and it let through clearly less than the pace: that is its rate
@@ -432,13 +428,15 @@ impl Learner {
                 // Once a pace has held a calm interval, a bare refusal is not read as
                 // a rate any more: a strict limiter paced a little too fast refuses
                 // every other request, which reads as half of it. A pace climbed well
-                // above the calm one went too far: back to that, under a ceiling two
-                // steps below the pace refused. At about the calm pace, it steps down.
+                // above the calm one went too far: back to that, under a ceiling
+                // halfway to the pace refused and at least two steps below it (the
+                // upstream's rate lies in between). At about the calm pace, it steps
+                // down.
                 let calm = self.calm_pace.filter(|_| !said);
                 match (let_through.filter(|s| *s < pace * STEP_DOWN), calm) {
                     (_, Some(calm)) if calm < pace * STEP_DOWN => {
-                        let under_refused = pace * STEP_DOWN * STEP_DOWN / MARGIN;
-                        self.learn_below(calm / MARGIN, Some(under_refused), now);
+                        let ceiling = ((calm + pace) / 2.0).min(pace * STEP_DOWN * STEP_DOWN);
+                        self.learn_below(calm / MARGIN, Some(ceiling / MARGIN), now);
                     }
                     (_, Some(_)) => {
                         self.calm_pace = None;
@@ -547,7 +545,13 @@ impl Learner {
         if self.base.is_none() {
             return false;
         }
-        if self.slow_start && now - self.changed >= CALM / 2 {
+        // Replicas climb as one through the shared store, which keeps a slower state
+        // published less than a calm interval before a faster one.
+        let slow_step = match self.replicas {
+            1 => CALM / 2,
+            _ => CALM,
+        };
+        if self.slow_start && now - self.changed >= slow_step {
             self.factor *= SLOW_START;
         } else if !self.slow_start && self.factor < 1.0 && now - self.changed >= CALM {
             self.held_calm();
@@ -891,7 +895,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_budget_counts_what_the_other_replicas_sent_and_does_not_probe() {
+    fn a_shared_budget_counts_what_the_other_replicas_sent_and_probes_once_a_calm_interval() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
         l.set_replicas(3);
@@ -899,7 +903,43 @@ mod tests {
         assert!(l.refused(t0, t0, MS * 750, false, None));
         // One accepted here, about three in all.
         assert_eq!(rate(&l), Some(3.92));
-        assert!(!l.departed(t0 + S * 5));
+        // A bare refusal's reading is a floor, probed upwards; by replicas once a calm
+        // interval (the store keeps a slower state published less than that before),
+        // where one replica would climb after half of one.
+        assert!(!l.departed(t0 + S / 2));
+        assert!(l.departed(t0 + S));
+        assert_eq!(rate(&l), Some(5.88));
+        // The state reached the store later than the climb: the next counts from there.
+        l.published(t0 + S * 3 / 2);
+        assert!(!l.departed(t0 + S * 2));
+        assert!(l.departed(t0 + S * 5 / 2));
+    }
+
+    #[test]
+    fn a_bare_refusal_of_a_pace_climbed_far_above_a_calm_one_returns_to_it() {
+        let t0 = Instant::now();
+        let shared = |rate: f64| Shared {
+            base: rate / MARGIN,
+            factor: 1.0,
+            source: Source::Refusals,
+        };
+        // (calm pace, pace refused, where it climbs back to): halfway to the pace
+        // refused when that is far (a slow start's step), else two steps under it,
+        // unless that is below the calm pace.
+        let table: [(f64, f64, f64); 3] = [(4.0, 6.0, 5.0), (5.0, 6.0, 5.415), (4.0, 4.3, 4.0)];
+        for (calm, refused, ceiling) in table {
+            let mut l = Learner::new(t0);
+            l.set_replicas(3);
+            assert!(l.adopt(shared(calm), t0));
+            // Another replica climbed: the pace before held calm.
+            assert!(l.adopt(shared(refused), t0 + S));
+            l.refused(t0 + S * 2, t0 + S * 2, MS * 10, false, Some(refused));
+            assert_eq!(rate(&l), Some(calm), "{calm} → {refused}");
+            for s in 3..=30 {
+                l.departed(t0 + S * s);
+            }
+            assert_eq!(rate(&l), Some(ceiling), "{calm} → {refused}");
+        }
     }
 
     #[test]

@@ -57,7 +57,7 @@ pub enum Precedence {
     Slower,
     /// The faster holds: one replica's reading of an unpaced burst from its share of
     /// the answers. A reading too fast is corrected by the refusal it meets; one too
-    /// slow by nothing.
+    /// slow only by climbing, a calm interval at a time.
     Faster,
 }
 
@@ -166,6 +166,14 @@ impl Learner {
             factor: self.factor,
             source,
         })
+    }
+
+    /// The state learned here reached the shared store at `now`. The next climb counts
+    /// from there: the store keeps a slower state published less than [`CALM`]
+    /// before a faster one ([`Precedence::Slower`]), and a climb it did not keep would
+    /// read back as another replica's step down.
+    pub fn published(&mut self, now: Instant) {
+        self.changed = now;
     }
 
     /// Takes the learned state another replica published (or this one, read back).
