@@ -30,7 +30,9 @@
 //! A timer that has fired is kept for the thread's next sleep, so a sleep usually costs
 //! one system call to arm it. A precise wake-up is still a wake-up of its own, where
 //! tokio's late one often served several departures: that is why the queue only uses
-//! this sleep for slots far enough apart (see `PRECISE_WAKE` in `limit::group`).
+//! this sleep for slots far enough apart ([`PRECISE_WAKE`]).
+
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -48,6 +50,22 @@ pub async fn sleep_until(deadline: Instant) {
             }
         }
         None => coarse.await,
+    }
+}
+
+/// A head whose slot is at least this far off sleeps on a kernel timer; a nearer slot
+/// (rates above ~2 000/s) is left to tokio's millisecond timer, where a late wake-up
+/// releases several due requests in one step (`Group::depart`) instead of waking the
+/// head once per slot.
+pub const PRECISE_WAKE: Duration = Duration::from_micros(500);
+
+/// Sleeps until the slot `at` of the head of a group's queue: precisely when it is at
+/// least [`PRECISE_WAKE`] away.
+pub async fn sleep_until_slot(at: Instant) {
+    if at.saturating_duration_since(Instant::now()) >= PRECISE_WAKE {
+        sleep_until(at).await;
+    } else {
+        tokio::time::sleep_until(at).await;
     }
 }
 

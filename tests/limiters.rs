@@ -297,15 +297,19 @@ async fn a_pause_longer_than_max_wait_is_answered_at_once() {
     assert_eq!(upstream.paths(), ["/first"]);
 }
 
-/// Three replicas told 16/s share `redis`; an upstream limiting like `family` gets six
-/// seconds' worth at its rate, a third through each replica, all at once. Checks every
-/// client got 200; returns the upstream's record.
-async fn three_replicas(redis: &RedisServer, family: Family) -> Vec<(Instant, u16)> {
+/// Three replicas `told` a rate (or nothing) share `redis`; an upstream limiting like
+/// `family` gets six seconds' worth at its rate, a third through each replica, all at
+/// once. Checks every client got 200; returns the upstream's record.
+async fn three_replicas(
+    redis: &RedisServer,
+    family: Family,
+    told: Option<&str>,
+) -> Vec<(Instant, u16)> {
     let (upstream, record) = limited(family).await;
     let shared = format!(
         "[backend]\nkind = \"redis\"\nurl = \"{}\"\nreplicas = 3\ntimeout = \"300ms\"\n{}",
         redis.url(),
-        config(Some("16/s"))
+        config(told)
     );
     let mut proxies = Vec::new();
     for _ in 0..3 {
@@ -331,7 +335,7 @@ async fn three_replicas(redis: &RedisServer, family: Family) -> Vec<(Instant, u1
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn three_replicas_learn_a_sliding_window_as_one() {
     let redis = RedisServer::start().await;
-    let record = three_replicas(&redis, Family::Sliding { accepted: vec![] }).await;
+    let record = three_replicas(&redis, Family::Sliding { accepted: vec![] }, Some("16/s")).await;
     // The group's learned rate is in Redis, read from the group's bookings: about the
     // window's 10 a second, not what one replica made of its third of the answers.
     let mut conn = redis.conn().await;
@@ -367,10 +371,30 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn three_replicas_read_a_strict_limiter_from_the_groups_refusals() {
     let redis = RedisServer::start().await;
-    let record = three_replicas(&redis, Family::Strict { last: None }).await;
+    let record = three_replicas(&redis, Family::Strict { last: None }, Some("16/s")).await;
     // Paced at 16/s, the strict limiter refuses every other request at first. Each
     // replica sees a third of the answers; the refusals every replica recorded in
     // Redis show the group's rate within about a second. Stepping down 5-10 % an
     // episode instead takes five episodes or more, a dozen refusals and more.
     assert!(refusals(&record) <= 9, "{} refused", refusals(&record));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
+    let redis = RedisServer::start().await;
+    let record = three_replicas(&redis, Family::Strict { last: None }, None).await;
+    // The first burst reads as one request per guessed pause per replica: a floor,
+    // climbed from a calm second at a time until a paced request is refused; a
+    // refusal's step is published at once, and slots booked before it are left unused.
+    assert!(refusals(&record) <= 6, "{} refused", refusals(&record));
+    let mut conn = redis.conn().await;
+    let learned: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg("tollgate:{api}:learned")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let base: f64 = learned["base"].parse().unwrap();
+    let factor: f64 = learned["factor"].parse().unwrap();
+    // About the limiter's 10 a second, not the first burst's floor (about 4).
+    assert!((8.0..=10.5).contains(&(base * factor)), "{learned:?}");
 }

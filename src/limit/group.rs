@@ -26,7 +26,7 @@ use super::permits::{Held, Permit, Permits};
 use super::probe::Probe;
 use super::queue::{Place, Queue};
 use super::rate::Rates;
-use super::store::{Slot, Store};
+use super::store::{Slot, Store, RECHECK_AHEAD};
 use crate::config::GroupSettings;
 use crate::metrics::GroupMetrics;
 
@@ -82,23 +82,8 @@ pub(super) struct State {
     probe: Probe,
     pub(super) learner: Learner,
     /// The learned state changed here and the shared store has not been told yet: the
-    /// next booking publishes it.
+    /// next booking (or, for a step down, pause) publishes it.
     pub(super) publish: bool,
-}
-
-/// A head whose slot is at least this far off sleeps on a kernel timer
-/// ([`crate::precise_sleep`], which says why); a nearer slot (rates above ~2 000/s) is
-/// left to tokio's millisecond timer, where a late wake-up releases several due
-/// requests in one step (`Group::depart`) instead of waking the head once per slot.
-const PRECISE_WAKE: Duration = Duration::from_micros(500);
-
-/// Sleeps until the slot `at`.
-async fn sleep_until_slot(at: Instant) {
-    if at.saturating_duration_since(Instant::now()) >= PRECISE_WAKE {
-        crate::precise_sleep::sleep_until(at).await;
-    } else {
-        tokio::time::sleep_until(at).await;
-    }
 }
 
 /// A snapshot of a group for the admin `/status` page.
@@ -332,15 +317,16 @@ impl Group {
                 }
                 match self.store.book(self, place.cost, now).await? {
                     Slot::Paused => continue,
-                    Slot::Booked(at) => {
-                        booked = true;
-                        sleep_until_slot(at).await;
+                    Slot::Booked { at, stamp } => {
+                        let ahead = at.saturating_duration_since(Instant::now());
+                        crate::precise_sleep::sleep_until_slot(at).await;
+                        booked = ahead < RECHECK_AHEAD || self.store.slot_holds(self, stamp).await;
                         continue;
                     }
                     // A slot of the local rate is read again after a reload.
                     Slot::Local(at) if at > now => {
                         tokio::select! {
-                            () = sleep_until_slot(at) => {}
+                            () = crate::precise_sleep::sleep_until_slot(at) => {}
                             () = wake => {}
                         }
                         continue;
@@ -426,8 +412,9 @@ impl Group {
             let State { queue, rates, .. } = &mut *state;
             queue.refuse_hopeless(|ahead| until + rates.backlog(until, ahead));
         }
+        let learned = state.step_publication();
         drop(state);
-        self.store.pause(&self.name, pause, refusal);
+        self.store.pause(&self.name, pause, refusal, learned);
     }
 
     /// The upstream pushed back on a request sent at `sent`: pause the group for
@@ -464,7 +451,9 @@ impl Group {
     pub fn calm(&self) {
         let mut state = self.lock();
         state.pause.calm();
-        state.learner.accepted(Instant::now());
+        if state.learner.accepted(Instant::now()) {
+            self.relearn(&mut state);
+        }
         if state.probe.accepted() {
             self.wake.notify_waiters();
         }

@@ -265,8 +265,8 @@ impl Learner {
         moved
     }
 
-    /// The upstream answered normally at `now`.
-    pub fn accepted(&mut self, now: Instant) {
+    /// The upstream answered normally at `now`. Returns whether the learned rate moved.
+    pub fn accepted(&mut self, now: Instant) -> bool {
         keep(&mut self.accepted, now);
         // Answers after an episode's pause belong to the next window's sample; those
         // before it (in flight when the refusal came) to this one.
@@ -277,6 +277,17 @@ impl Learner {
         let (n, first) = &mut self.since_episode;
         *n += 1;
         first.get_or_insert(now);
+        // An accepted answer of the burst whose refusal set the learned rate, come
+        // after that refusal, is read into it too: the reading does not depend on
+        // whether the refusals or the accepted answers came back first.
+        let Some((end, true)) = self.episode else {
+            return false;
+        };
+        let before = self.rate();
+        if let Some((seen, _)) = self.seen(now, end - now) {
+            self.learn(seen, now);
+        }
+        self.rate() != before
     }
 
     /// What a limiter that said when to come back let through since its last refusal:
@@ -746,6 +757,15 @@ mod tests {
             l.refused(t0 + MS * 3, t0 + MS * 3, S, true, None);
         }
         assert_eq!(rate(&l), Some(4.9));
+        // The refusals first, then the accepted answers: the same reading.
+        let mut l = Learner::new(t0);
+        for _ in 0..25 {
+            l.refused(t0 + MS, t0 + MS, S, true, None);
+        }
+        assert_eq!(l.rate(), None);
+        let moved: Vec<bool> = (0..5).map(|_| l.accepted(t0 + MS)).collect();
+        assert_eq!(moved, [true; 5]);
+        assert_eq!(rate(&l), Some(4.9));
         // Answers older than the horizon are forgotten.
         l.accepted(t0 + S * 6);
         assert_eq!(l.seen(t0 + S * 6, S), Some((1.0, 1)));
@@ -952,7 +972,7 @@ mod tests {
         for k in 0..16u32 {
             let at = t0 + MS * (125 * k);
             match k % 2 {
-                0 => l.accepted(at),
+                0 => _ = l.accepted(at),
                 _ => {
                     let pace = l.rate().map_or(8.0, |(r, _)| r);
                     l.refused(at, at, MS * 12, false, Some(pace));
@@ -1011,7 +1031,7 @@ mod tests {
             if slot % 3 == 0 {
                 l.booked(at, at, Some(count));
                 match ok {
-                    true => l.accepted(at),
+                    true => _ = l.accepted(at),
                     false => _ = l.refused(at, at, MS * 12, false, Some(pace)),
                 }
                 l.departed(at);

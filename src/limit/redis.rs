@@ -30,7 +30,7 @@ use std::time::Duration;
 use prometheus_client::metrics::gauge::Gauge;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
-use redis::{IntoConnectionInfo, Script};
+use redis::{IntoConnectionInfo, Script, ScriptInvocation};
 
 use super::gcra::Gcra;
 use super::learn::{Precedence, Shared, Source, COUNTED, HORIZON};
@@ -49,124 +49,67 @@ const PROBE: Duration = Duration::from_millis(500);
 /// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 
-/// Books the next slot. A learned state published replaces the one in Redis unless
-/// its [`Precedence`] says the one published less than a second before holds.
+/// Books the next slot, and publishes a learned state ([`publication`]).
 ///
 /// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set, the
-/// refused set ([`PAUSE`]), then one TAT key per rate. ARGV: the cost; the learned state to
-/// publish (its interval in µs, base, factor, source; the interval empty when there is
-/// nothing to publish); how long the learned hash lives, in ms; the window to count
-/// the group's bookings over, in µs (0: none), and the most bookings kept for that;
-/// its precedence ([`Precedence::code`]); then
-/// the interval and tolerance of each rate, in µs. Returns the µs to wait, the µs
-/// of pause left (≤ 0 when not paused), the learned base, factor and source in force
-/// (nil when none), the bookings within the window before this one's departure,
-/// this one included (0 when not counted, or when there were too many to count), and
-/// the refusals within the window before now.
-const RESERVE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[1])
-if ARGV[2] ~= '' then
-  local old = redis.call('HMGET', KEYS[2], 'interval', 'at')
-  local recent = old[1] and old[2] and now - tonumber(old[2]) < 1000000
-  local faster = recent and tonumber(ARGV[2]) < tonumber(old[1])
-  local slower = recent and tonumber(ARGV[2]) > tonumber(old[1])
-  if not ((ARGV[9] == '1' and faster) or (ARGV[9] == '2' and slower)) then
-    redis.call('HSET', KEYS[2], 'interval', ARGV[2], 'base', ARGV[3], 'factor', ARGV[4], 'source', ARGV[5], 'at', string.format('%.0f', now))
-  end
-end
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]))
-local learned = redis.call('HMGET', KEYS[2], 'interval', 'base', 'factor', 'source')
-local interval = tonumber(learned[1] or 0) or 0
-local window = tonumber(ARGV[7])
-local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
-if paused > now then
-  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0, 0 }
-end
-local depart = now
-local tats = {}
-for i = 6, #KEYS do
-  tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i - 1]))
-end
-local learned_tat = 0
-if interval > 0 then
-  learned_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
-  depart = math.max(depart, learned_tat)
-end
-for i = 6, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 2])
-  redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
-end
-if interval > 0 then
-  local tat = math.max(learned_tat, depart) + cost * interval
-  redis.call('SET', KEYS[3], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
-end
-local booked, refused = 0, 0
-if window > 0 then
-  refused = redis.call('ZCOUNT', KEYS[5], string.format('(%.0f', now - window), '+inf')
-  redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%.0f', depart, now))
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%.0f', depart - window))
-  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[8]) - 1)
-  redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + window) / 1000) + 1000)
-  booked = redis.call('ZCARD', KEYS[4])
-  if booked >= tonumber(ARGV[8]) then booked = 0 end
-end
-return { depart - now, paused - now, learned[2], learned[3], learned[4], booked, refused }
-";
+/// refused set ([`PAUSE`]), then one TAT key per rate. ARGV: the publication; the cost;
+/// the window to count the group's bookings over, in µs (0: none), and the most
+/// bookings kept for that; then the interval and tolerance of each rate, in µs. Returns
+/// the µs to wait, the µs of pause left (≤ 0 when not paused), the learned base, factor
+/// and source in force (nil when none), the bookings within the window before this
+/// one's departure, this one included (0 when not counted, or when there were too many
+/// to count), the refusals within the window before now, and now (in µs on Redis's
+/// clock).
+const RESERVE: &str = concat!(
+    include_str!("redis/publish.lua"),
+    include_str!("redis/reserve.lua")
+);
+
+/// Whether a slot booked at a time (µs on Redis's clock) still holds when it comes.
+/// KEYS: the pause key, the refused set ([`PAUSE`]). ARGV: the booking's time. Returns
+/// the µs of pause left (≤ 0 when not paused) and the refusals recorded since the
+/// booking.
+const RECHECK: &str = include_str!("redis/recheck.lua");
 
 /// Extends the group's pause and, for the upstream's refusal, records it: the group's
-/// refusals, which a replica sees a share of, are counted here for every replica.
-/// KEYS: the pause key, the refused set. ARGV: the pause in µs; the refusal's id
-/// (empty: not a refusal), how long refusals are kept, in µs, and the most kept.
-const PAUSE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local pause = tonumber(ARGV[1])
-if ARGV[2] ~= '' then
-  local keep = tonumber(ARGV[3])
-  redis.call('ZADD', KEYS[2], now, string.format('%.0f:', now) .. ARGV[2])
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
-  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[4]) - 1)
-  redis.call('PEXPIRE', KEYS[2], math.floor(keep / 1000) + 1000)
-end
-local current = tonumber(redis.call('GET', KEYS[1]) or 0)
-if now + pause > current then
-  redis.call('SET', KEYS[1], string.format('%.0f', now + pause), 'PX', math.floor(pause / 1000) + 1000)
-end
-return 1
-";
+/// refusals, which a replica sees a share of, are counted here for every replica. The
+/// step down a refusal taught is published at once ([`publication`]), before more
+/// requests are booked at the pace refused.
+/// KEYS: the pause key, the refused set, the learned hash. ARGV: the publication; the
+/// pause in µs; the refusal's id (empty: not a refusal), how long refusals are kept, in
+/// µs, and the most kept.
+const PAUSE: &str = concat!(
+    include_str!("redis/publish.lua"),
+    include_str!("redis/pause.lua")
+);
+
+/// Adds the first arguments of [`RESERVE`] and [`PAUSE`] to `call`, which publish a
+/// learned state (`redis/publish.lua`): its interval in µs (empty when there is nothing
+/// to publish), base, factor and source; how long the learned hash lives, in ms; and
+/// its [`Precedence`]. A state published less than a second before holds against a
+/// faster one that ranks [`Precedence::Slower`], and against a slower one that ranks
+/// [`Precedence::Faster`].
+fn publication(call: &mut ScriptInvocation, learned: &Publication) {
+    match learned.publish {
+        Some((shared, interval)) => call
+            .arg(interval.as_micros().max(1) as u64)
+            .arg(shared.base.to_string())
+            .arg(shared.factor.to_string())
+            .arg(shared.source.as_str()),
+        None => call.arg("").arg("").arg("").arg(""),
+    };
+    call.arg(LEARNED_TTL.as_millis() as u64)
+        .arg(learned.precedence.code());
+}
 
 /// Takes a lease if fewer than the limit are live. KEYS: the lease set. ARGV: lease id,
 /// limit, lease ms. Returns 1 if taken.
-const LEASE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-  redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[3]))
-  return 1
-end
-return 0
-";
+const LEASE: &str = include_str!("redis/lease.lua");
 
 /// Renews leases and counts live replicas. KEYS: the replica set, then one lease set per
 /// lease. ARGV: this replica's id, the replica ms, the lease ms, then the lease ids.
 /// Returns the number of live replicas.
-const HEARTBEAT_SCRIPT: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
-for i = 2, #KEYS do
-  redis.call('ZADD', KEYS[i], 'XX', now + tonumber(ARGV[3]), ARGV[i + 2])
-  redis.call('PEXPIRE', KEYS[i], 2 * tonumber(ARGV[3]))
-end
-return redis.call('ZCARD', KEYS[1])
-";
+const HEARTBEAT_SCRIPT: &str = include_str!("redis/heartbeat.lua");
 
 /// The reservation script's answer.
 type Answer = (
@@ -175,6 +118,7 @@ type Answer = (
     Option<String>,
     Option<String>,
     Option<String>,
+    i64,
     i64,
     i64,
 );
@@ -206,16 +150,25 @@ pub struct Reservation {
     pub booked_in_window: u64,
     /// The group's refusals within the counted window before the booking.
     pub refused_in_window: u64,
+    /// When it was booked, in µs on Redis's clock ([`Redis::recheck`]).
+    pub at: u64,
 }
 
 /// What a booking tells the store about the group's learning.
 #[derive(Debug, Clone, Copy)]
 pub struct Learning {
-    /// A learned state to publish, with the interval to book it at.
-    pub publish: Option<(Shared, Duration)>,
+    /// The learned state to publish.
+    pub publication: Publication,
     /// The window to count the group's bookings over.
     pub window: Option<Duration>,
-    /// How the state published ranks against one published just before.
+}
+
+/// A learned state a replica publishes ([`publication`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Publication {
+    /// The state, with the interval to book it at; `None`: nothing new to publish.
+    pub publish: Option<(Shared, Duration)>,
+    /// How it ranks against one published just before.
     pub precedence: Precedence,
 }
 
@@ -237,6 +190,7 @@ pub struct Redis {
     /// Held leases (id → lease set key), renewed by the heartbeat.
     leases: Mutex<HashMap<String, String>>,
     reserve: Arc<Script>,
+    recheck: Arc<Script>,
     pause: Arc<Script>,
     lease: Arc<Script>,
     heartbeat: Arc<Script>,
@@ -289,6 +243,7 @@ impl Redis {
             next_lease: AtomicU64::new(0),
             leases: Mutex::new(HashMap::new()),
             reserve: Arc::new(Script::new(RESERVE)),
+            recheck: Arc::new(Script::new(RECHECK)),
             pause: Arc::new(Script::new(PAUSE)),
             lease: Arc::new(Script::new(LEASE)),
             heartbeat: Arc::new(Script::new(HEARTBEAT_SCRIPT)),
@@ -309,7 +264,7 @@ impl Redis {
     }
 
     /// Books the next slot of `group` for a request of `cost` under `rates` and the
-    /// learned rate shared in Redis (publishing `learning.publish` first). `None` when
+    /// learned rate shared in Redis (publishing `learning.publication` first). `None` when
     /// Redis is down (or just failed): the caller limits locally.
     pub async fn reserve(
         &self,
@@ -338,25 +293,16 @@ impl Redis {
             for key in fixed_keys {
                 call.key(key);
             }
-            call.arg(cost);
-            match learning.publish {
-                Some((shared, interval)) => call
-                    .arg(interval.as_micros().max(1) as u64)
-                    .arg(shared.base.to_string())
-                    .arg(shared.factor.to_string())
-                    .arg(shared.source.as_str()),
-                None => call.arg("").arg("").arg("").arg(""),
-            };
-            call.arg(LEARNED_TTL.as_millis() as u64)
+            publication(&mut call, &learning.publication);
+            call.arg(cost)
                 .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
-                .arg(COUNTED)
-                .arg(learning.precedence.code());
+                .arg(COUNTED);
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
             call.invoke_async::<Answer>(&mut conn).await
         });
-        let (wait, paused, base, factor, source, booked, refused) = booked.await?;
+        let (wait, paused, base, factor, source, booked, refused, at) = booked.await?;
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
         Some(Reservation {
             wait: micros(wait),
@@ -364,17 +310,39 @@ impl Redis {
             learned: shared(base, factor, source),
             booked_in_window: booked.max(0) as u64,
             refused_in_window: refused.max(0) as u64,
+            at: at.max(0) as u64,
         })
+    }
+
+    /// Whether the slot that [`Redis::reserve`] booked `at` (µs on Redis's clock) for
+    /// `group` still holds: `Some(pause)` when the group is paused now, else whether
+    /// the upstream refused any replica's request since. `None` when Redis did not
+    /// answer.
+    pub async fn recheck(&self, group: &str, at: u64) -> Option<(Option<Duration>, bool)> {
+        if !self.is_up() {
+            return None;
+        }
+        let (script, mut conn) = (self.recheck.clone(), self.conn.clone());
+        let keys = [self.key(group, "pause"), self.key(group, "refused")];
+        let (paused, refused): (i64, i64) = self
+            .call(async move {
+                let mut call = script.prepare_invoke();
+                call.key(&keys[0]).key(&keys[1]).arg(at);
+                call.invoke_async(&mut conn).await
+            })
+            .await?;
+        let paused = (paused > 0).then(|| Duration::from_micros(paused as u64));
+        Some((paused, refused > 0))
     }
 
     /// Pauses `group` on every replica for `pause` (counted on Redis's clock);
     /// `refusal`: the upstream refused a request, which the group's count keeps.
-    pub async fn pause(&self, group: &str, pause: Duration, refusal: bool) {
+    pub async fn pause(&self, group: &str, pause: Duration, refusal: bool, learned: Publication) {
         if !self.is_up() {
             return;
         }
         let (script, mut conn) = (self.pause.clone(), self.conn.clone());
-        let keys = [self.key(group, "pause"), self.key(group, "refused")];
+        let keys = ["pause", "refused", "learned"].map(|k| self.key(group, k));
         let id = match refusal {
             true => format!(
                 "{}:{}",
@@ -386,9 +354,11 @@ impl Redis {
         let _: Option<i64> = self
             .call(async move {
                 let mut call = script.prepare_invoke();
-                call.key(&keys[0])
-                    .key(&keys[1])
-                    .arg(pause.as_micros() as u64);
+                for key in keys {
+                    call.key(key);
+                }
+                publication(&mut call, &learned);
+                call.arg(pause.as_micros() as u64);
                 call.arg(id).arg(HORIZON.as_micros() as u64).arg(COUNTED);
                 call.invoke_async(&mut conn).await
             })

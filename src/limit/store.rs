@@ -15,8 +15,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::group::State;
-use super::learn::Counted;
-use super::redis::{Learning, Redis, Reservation};
+use super::learn::{Counted, Precedence};
+use super::redis::{Learning, Publication, Redis, Reservation};
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
 
@@ -26,6 +26,12 @@ pub const SHARED_MARGIN: f64 = 0.98;
 /// and sends with a jitter of its own, in absolute time, which a share covers only at
 /// low rates (at 50/s, 2 % is 0.4 ms, less than a loaded host's wake-up jitter).
 pub const SHARED_JITTER: Duration = Duration::from_millis(1);
+
+/// A slot booked in the shared store at least this far ahead is checked again when it
+/// comes ([`Store::slot_holds`]): another request may have been refused meanwhile, on
+/// any replica, and then the pace it was booked at is refused too. A nearer slot comes
+/// before any refusal could, which takes an upstream's round trip.
+pub const RECHECK_AHEAD: Duration = Duration::from_millis(5);
 
 /// The factor a rate of one request per `interval` is slowed by when replicas book it.
 pub fn shared_factor(interval: Duration) -> f64 {
@@ -48,8 +54,13 @@ pub enum Slot {
     /// The local rates let it leave at this time; its departure is still to be
     /// recorded, at that time or later.
     Local(Instant),
-    /// Booked in the shared store for this time: already counted.
-    Booked(Instant),
+    /// Booked in the shared store: already counted.
+    Booked {
+        /// When it may leave.
+        at: Instant,
+        /// When it was booked, in µs on the store's clock ([`Store::slot_holds`]).
+        stamp: u64,
+    },
     /// The shared store holds the group paused (the group's pause now says until
     /// when): nothing booked, to be asked again when the pause ends.
     Paused,
@@ -105,7 +116,10 @@ impl Store {
                     group.lock().pause.extend(answered + pause);
                     return Ok(Slot::Paused);
                 }
-                return Ok(Slot::Booked(slot));
+                return Ok(Slot::Booked {
+                    at: slot,
+                    stamp: booking.at,
+                });
             }
             if redis.on_error == OnBackendError::Deny {
                 return Err(Refusal::BackendDown);
@@ -115,20 +129,48 @@ impl Store {
         Ok(Slot::Local(group.lock().rates.earliest(share, now)))
     }
 
+    /// Whether a slot booked at `stamp` in the shared store, now come, still holds:
+    /// not when the group is paused (the pause is taken here too) or the upstream
+    /// refused one of the group's requests since, on any replica. The slot is then
+    /// left unused, and the request books again, at the pace the refusal taught.
+    pub async fn slot_holds(&self, group: &Group, stamp: u64) -> bool {
+        let Store::Redis(redis) = self else {
+            return true;
+        };
+        match redis.recheck(&group.name, stamp).await {
+            Some((Some(pause), _)) => {
+                group.lock().pause.extend(Instant::now() + pause);
+                false
+            }
+            Some((None, refused)) => !refused,
+            None => true,
+        }
+    }
+
     /// Tells the other replicas that the group is paused for `pause`, because the
-    /// upstream refused a request (`refusal`) or its budget is spent.
-    pub fn pause(&self, group: &Arc<str>, pause: Duration, refusal: bool) {
+    /// upstream refused a request (`refusal`) or its budget is spent, and the step down
+    /// this replica `learned` from it.
+    pub fn pause(&self, group: &Arc<str>, pause: Duration, refusal: bool, learned: Publication) {
         if let Store::Redis(redis) = self {
             let (redis, group) = (redis.clone(), group.clone());
-            tokio::spawn(async move { redis.pause(&group, pause, refusal).await });
+            tokio::spawn(async move { redis.pause(&group, pause, refusal, learned).await });
         }
     }
 }
 
 impl State {
-    /// What the next booking in the shared store publishes of the learning done here
-    /// (taken: published once), and the window to count the group's bookings over.
+    /// What the next booking in the shared store publishes of the learning done here,
+    /// and the window to count the group's bookings over.
     pub(super) fn learning(&mut self) -> Learning {
+        Learning {
+            publication: self.publication(),
+            window: self.learner.count_window(self.rates.pace()),
+        }
+    }
+
+    /// The learning done here that the shared store has yet to hear of (taken: it is
+    /// published once).
+    pub(super) fn publication(&mut self) -> Publication {
         let publish = std::mem::take(&mut self.publish)
             .then(|| self.learner.shared())
             .flatten()
@@ -137,12 +179,23 @@ impl State {
                 let per_second = rate * shared_factor(Duration::from_secs_f64(1.0 / rate));
                 (shared, Duration::from_secs_f64(1.0 / per_second))
             });
-        let window = self.learner.count_window(self.rates.pace());
-        let precedence = self.learner.precedence();
-        Learning {
+        Publication {
             publish,
-            window,
-            precedence,
+            precedence: self.learner.precedence(),
+        }
+    }
+
+    /// What a pause publishes: a step down, which every replica should pace by at
+    /// once. A first reading of a burst from this replica's share of the answers waits
+    /// for the next booking, by which time the other replicas' own readings are in
+    /// (the fastest holds); taken early, it would have them discard those as stale.
+    pub(super) fn step_publication(&mut self) -> Publication {
+        match self.learner.precedence() {
+            Precedence::Slower => self.publication(),
+            precedence => Publication {
+                publish: None,
+                precedence,
+            },
         }
     }
 }
@@ -160,7 +213,7 @@ impl Group {
     ) {
         let mut state = self.lock();
         let Some(booking) = booked else {
-            state.publish |= learning.publish.is_some();
+            state.publish |= learning.publication.publish.is_some();
             return;
         };
         let now = Instant::now();
@@ -175,6 +228,14 @@ impl Group {
         match booking.learned {
             // Learned here since the booking left: that goes out with the next one.
             _ if state.publish => {}
+            Some(shared)
+                if learning
+                    .publication
+                    .publish
+                    .is_some_and(|(p, _)| p == shared) =>
+            {
+                state.learner.published(now);
+            }
             Some(shared) => {
                 if state.learner.adopt(shared, now) {
                     self.apply_learned(&mut state);

@@ -1,0 +1,16 @@
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+publish(KEYS[3], now)
+local pause = tonumber(ARGV[7])
+if ARGV[8] ~= '' then
+  local keep = tonumber(ARGV[9])
+  redis.call('ZADD', KEYS[2], now, string.format('%.0f:', now) .. ARGV[8])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[10]) - 1)
+  redis.call('PEXPIRE', KEYS[2], math.floor(keep / 1000) + 1000)
+end
+local current = tonumber(redis.call('GET', KEYS[1]) or 0)
+if now + pause > current then
+  redis.call('SET', KEYS[1], string.format('%.0f', now + pause), 'PX', math.floor(pause / 1000) + 1000)
+end
+return 1
