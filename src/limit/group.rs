@@ -26,7 +26,7 @@ use super::permits::{Held, Permit, Permits};
 use super::probe::Probe;
 use super::queue::{Place, Queue};
 use super::rate::Rates;
-use super::store::{Slot, Store, RECHECK_AHEAD};
+use super::store::{Slot, Store, RECHECK_AHEAD, RECHECK_BEFORE};
 use crate::config::GroupSettings;
 use crate::metrics::GroupMetrics;
 
@@ -318,9 +318,16 @@ impl Group {
                 match self.store.book(self, place.cost, now).await? {
                     Slot::Paused => continue,
                     Slot::Booked { at, stamp } => {
+                        // Checked a little before it comes: the round trip must not
+                        // delay the departure, or vary its spacing.
                         let ahead = at.saturating_duration_since(Instant::now());
-                        crate::precise_sleep::sleep_until_slot(at).await;
-                        booked = ahead < RECHECK_AHEAD || self.store.slot_holds(self, stamp).await;
+                        booked = ahead < RECHECK_AHEAD || {
+                            crate::precise_sleep::sleep_until_slot(at - RECHECK_BEFORE).await;
+                            self.store.slot_holds(self, stamp).await
+                        };
+                        if booked {
+                            crate::precise_sleep::sleep_until_slot(at).await;
+                        }
                         continue;
                     }
                     // A slot of the local rate is read again after a reload.

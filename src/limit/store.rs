@@ -27,11 +27,15 @@ pub const SHARED_MARGIN: f64 = 0.98;
 /// low rates (at 50/s, 2 % is 0.4 ms, less than a loaded host's wake-up jitter).
 pub const SHARED_JITTER: Duration = Duration::from_millis(1);
 
-/// A slot booked in the shared store at least this far ahead is checked again when it
-/// comes ([`Store::slot_holds`]): another request may have been refused meanwhile, on
-/// any replica, and then the pace it was booked at is refused too. A nearer slot comes
-/// before any refusal could, which takes an upstream's round trip.
-pub const RECHECK_AHEAD: Duration = Duration::from_millis(5);
+/// A slot booked in the shared store at least this far ahead is checked again before
+/// it comes ([`Store::slot_holds`]): another request may have been refused meanwhile,
+/// on any replica, and then the pace it was booked at is refused too. A refusal comes
+/// back an upstream's round trip after its request left, often tens of milliseconds:
+/// a nearer slot is rarely passed by one, and checking each would cost a round trip
+/// and a wake-up per request at high rates, which delays departures unevenly.
+pub const RECHECK_AHEAD: Duration = Duration::from_millis(100);
+/// How long before its slot a booking is checked again: room for the round trip.
+pub const RECHECK_BEFORE: Duration = Duration::from_millis(2);
 
 /// The factor a rate of one request per `interval` is slowed by when replicas book it.
 pub fn shared_factor(interval: Duration) -> f64 {
@@ -129,7 +133,7 @@ impl Store {
         Ok(Slot::Local(group.lock().rates.earliest(share, now)))
     }
 
-    /// Whether a slot booked at `stamp` in the shared store, now come, still holds:
+    /// Whether a slot booked at `stamp` in the shared store, about to come, still holds:
     /// not when the group is paused (the pause is taken here too) or the upstream
     /// refused one of the group's requests since, on any replica. The slot is then
     /// left unused, and the request books again, at the pace the refusal taught.
