@@ -82,7 +82,7 @@ pub(super) struct State {
     probe: Probe,
     pub(super) learner: Learner,
     /// The learned state changed here and the shared store has not been told yet: the
-    /// next booking (or, for a step down, pause) publishes it.
+    /// next booking publishes it (a step down goes out with its pause too).
     pub(super) publish: bool,
 }
 

@@ -193,14 +193,16 @@ impl State {
     /// once. A first reading of a burst from this replica's share of the answers waits
     /// for the next booking, by which time the other replicas' own readings are in
     /// (the fastest holds); taken early, it would have them discard those as stale.
+    /// The next booking publishes a step again: nothing waits for the pause's answer,
+    /// and while the store is down the pause does not reach it.
     pub(super) fn step_publication(&mut self) -> Publication {
-        match self.learner.precedence() {
-            Precedence::Slower => self.publication(),
-            precedence => Publication {
-                publish: None,
-                precedence,
-            },
+        let publish = self.publish;
+        let mut publication = self.publication();
+        self.publish = publish;
+        if publication.precedence != Precedence::Slower {
+            publication.publish = None;
         }
+        publication
     }
 }
 
