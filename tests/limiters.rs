@@ -332,26 +332,33 @@ async fn three_replicas(
     record
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
-async fn three_replicas_learn_a_sliding_window_as_one() {
-    let redis = RedisServer::start().await;
-    let record = three_replicas(&redis, Family::Sliding { accepted: vec![] }, Some("16/s")).await;
-    // The group's learned rate is in Redis, read from the group's bookings: about the
-    // window's 10 a second, not what one replica made of its third of the answers.
+/// The group's learned state as the replicas left it in `redis`, and its rate (before
+/// the margin), per second.
+async fn learned_in(redis: &RedisServer) -> (std::collections::HashMap<String, String>, f64) {
     let mut conn = redis.conn().await;
     let learned: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
         .arg("tollgate:{api}:learned")
         .query_async(&mut conn)
         .await
         .unwrap();
+    let base: f64 = learned["base"].parse().unwrap();
+    let factor: f64 = learned["factor"].parse().unwrap();
+    (learned, base * factor)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn three_replicas_learn_a_sliding_window_as_one() {
+    let redis = RedisServer::start().await;
+    let record = three_replicas(&redis, Family::Sliding { accepted: vec![] }, Some("16/s")).await;
+    // The group's learned rate is in Redis, read from the group's bookings: about the
+    // window's 10 a second, not what one replica made of its third of the answers.
+    let (learned, rate) = learned_in(&redis).await;
     assert_eq!(
         learned.get("source").map(String::as_str),
         Some("refusals"),
         "{learned:?}"
     );
-    let base: f64 = learned["base"].parse().unwrap();
-    let factor: f64 = learned["factor"].parse().unwrap();
-    assert!((8.0..=10.5).contains(&(base * factor)), "{learned:?}");
+    assert!((8.0..=10.5).contains(&rate), "{learned:?}");
     // Learned once for the three: after the first episode (the requests the replicas
     // had booked at 16/s before it), the replicas keep to it.
     let first = record
@@ -387,14 +394,7 @@ async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
     // climbed from a calm second at a time until a paced request is refused; a
     // refusal's step is published at once, and slots booked before it are left unused.
     assert!(refusals(&record) <= 6, "{} refused", refusals(&record));
-    let mut conn = redis.conn().await;
-    let learned: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
-        .arg("tollgate:{api}:learned")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let base: f64 = learned["base"].parse().unwrap();
-    let factor: f64 = learned["factor"].parse().unwrap();
+    let (learned, rate) = learned_in(&redis).await;
     // About the limiter's 10 a second, not the first burst's floor (about 4).
-    assert!((8.0..=10.5).contains(&(base * factor)), "{learned:?}");
+    assert!((8.0..=10.5).contains(&rate), "{learned:?}");
 }

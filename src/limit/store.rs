@@ -175,7 +175,24 @@ impl State {
     /// The learning done here that the shared store has yet to hear of (taken: it is
     /// published once).
     pub(super) fn publication(&mut self) -> Publication {
-        let publish = std::mem::take(&mut self.publish)
+        let publish = std::mem::take(&mut self.publish);
+        self.publication_if(publish)
+    }
+
+    /// What a pause publishes: a step down, which every replica should pace by at
+    /// once. A first reading of a burst from this replica's share of the answers waits
+    /// for the next booking, by which time the other replicas' own readings are in
+    /// (the fastest holds); taken early, it would have them discard those as stale.
+    /// The next booking publishes a step again (the flag stays): nothing waits for the
+    /// pause's answer, and while the store is down the pause does not reach it.
+    pub(super) fn step_publication(&self) -> Publication {
+        let step = self.learner.precedence() == Precedence::Slower;
+        self.publication_if(self.publish && step)
+    }
+
+    /// The learned state with the interval to book it at, when `publish`.
+    fn publication_if(&self, publish: bool) -> Publication {
+        let publish = publish
             .then(|| self.learner.shared())
             .flatten()
             .map(|shared| {
@@ -187,22 +204,6 @@ impl State {
             publish,
             precedence: self.learner.precedence(),
         }
-    }
-
-    /// What a pause publishes: a step down, which every replica should pace by at
-    /// once. A first reading of a burst from this replica's share of the answers waits
-    /// for the next booking, by which time the other replicas' own readings are in
-    /// (the fastest holds); taken early, it would have them discard those as stale.
-    /// The next booking publishes a step again: nothing waits for the pause's answer,
-    /// and while the store is down the pause does not reach it.
-    pub(super) fn step_publication(&mut self) -> Publication {
-        let publish = self.publish;
-        let mut publication = self.publication();
-        self.publish = publish;
-        if publication.precedence != Precedence::Slower {
-            publication.publish = None;
-        }
-        publication
     }
 }
 
@@ -231,17 +232,11 @@ impl Group {
             });
             state.learner.booked(slot, now, counted);
         }
+        let published = learning.publication.publish.map(|(shared, _)| shared);
         match booking.learned {
             // Learned here since the booking left: that goes out with the next one.
             _ if state.publish => {}
-            Some(shared)
-                if learning
-                    .publication
-                    .publish
-                    .is_some_and(|(p, _)| p == shared) =>
-            {
-                state.learner.published(now);
-            }
+            Some(shared) if published == Some(shared) => state.learner.published(now),
             Some(shared) => {
                 if state.learner.adopt(shared, now) {
                     self.apply_learned(&mut state);
