@@ -304,7 +304,7 @@ async fn three_replicas(
     redis: &RedisServer,
     family: Family,
     told: Option<&str>,
-) -> Vec<(Instant, u16)> {
+) -> (Vec<(Instant, u16)>, Vec<Seen>) {
     let (upstream, record) = limited(family).await;
     let shared = format!(
         "[backend]\nkind = \"redis\"\nurl = \"{}\"\nreplicas = 3\ntimeout = \"300ms\"\n{}",
@@ -329,7 +329,7 @@ async fn three_replicas(
         record.iter().filter(|(_, s)| *s == 200).count(),
         3 * per_replica
     );
-    record
+    (record, upstream.requests())
 }
 
 /// The group's learned state as the replicas left it in `redis`, and its rate (before
@@ -349,7 +349,8 @@ async fn learned_in(redis: &RedisServer) -> (std::collections::HashMap<String, S
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn three_replicas_learn_a_sliding_window_as_one() {
     let redis = RedisServer::start().await;
-    let record = three_replicas(&redis, Family::Sliding { accepted: vec![] }, Some("16/s")).await;
+    let (record, _) =
+        three_replicas(&redis, Family::Sliding { accepted: vec![] }, Some("16/s")).await;
     // The group's learned rate is in Redis, read from the group's bookings: about the
     // window's 10 a second, not what one replica made of its third of the answers.
     let (learned, rate) = learned_in(&redis).await;
@@ -378,7 +379,7 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn three_replicas_read_a_strict_limiter_from_the_groups_refusals() {
     let redis = RedisServer::start().await;
-    let record = three_replicas(&redis, Family::Strict { last: None }, Some("16/s")).await;
+    let (record, _) = three_replicas(&redis, Family::Strict { last: None }, Some("16/s")).await;
     // Paced at 16/s, the strict limiter refuses every other request at first. Each
     // replica sees a third of the answers; the refusals every replica recorded in
     // Redis show the group's rate within about a second. Stepping down 5-10 % an
@@ -389,7 +390,7 @@ async fn three_replicas_read_a_strict_limiter_from_the_groups_refusals() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
     let redis = RedisServer::start().await;
-    let record = three_replicas(&redis, Family::Strict { last: None }, None).await;
+    let (record, _) = three_replicas(&redis, Family::Strict { last: None }, None).await;
     // The first burst reads as one request per guessed pause per replica: a floor,
     // climbed from a calm second at a time until a paced request is refused; a
     // refusal's step is published at once, and slots booked before it are left unused.
@@ -397,4 +398,28 @@ async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
     let (learned, rate) = learned_in(&redis).await;
     // About the limiter's 10 a second, not the first burst's floor (about 4).
     assert!((8.0..=10.5).contains(&rate), "{learned:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn three_replicas_told_nothing_probe_as_one_and_read_the_whole_groups_answers() {
+    let redis = RedisServer::start().await;
+    let family = Family::Sliding { accepted: vec![] };
+    let (record, requests) = three_replicas(&redis, family, None).await;
+    // One replica probes for the group; the others wait for what it learns. Each
+    // replica's requests have paths of their own (`/<replica>-<i>`).
+    let first = record
+        .iter()
+        .find(|(_, s)| *s == 429)
+        .map(|(at, _)| *at)
+        .expect("a refusal");
+    let senders: std::collections::BTreeSet<&str> = requests
+        .iter()
+        .filter(|seen| seen.at < first)
+        .filter_map(|seen| seen.path.split('-').next())
+        .collect();
+    assert_eq!(senders.len(), 1, "before the first refusal: {senders:?}");
+    // Its reading of the probe is the group's, not three times its share.
+    let (learned, rate) = learned_in(&redis).await;
+    assert!((8.0..=10.5).contains(&rate), "{learned:?}");
+    assert!(refusals(&record) <= 3, "{} refused", refusals(&record));
 }

@@ -79,7 +79,7 @@ pub(super) struct State {
     pub(super) rates: Rates,
     pub(super) pause: Pause,
     adaptive: Adaptive,
-    probe: Probe,
+    pub(super) probe: Probe,
     pub(super) learner: Learner,
     /// The learned state changed here and the shared store has not been told yet: the
     /// next booking publishes it (a step down goes out with its pause too).
@@ -317,6 +317,11 @@ impl Group {
                 }
                 match self.store.book(self, place.cost, now).await? {
                     Slot::Paused => continue,
+                    Slot::Probing(until) => {
+                        let _answered = tokio::time::timeout_at(until, wake).await;
+                        ready = ready.max(Instant::now());
+                        continue;
+                    }
                     Slot::Booked { at, stamp } => {
                         // Checked a little before it comes: the round trip must not
                         // delay the departure, or vary its spacing.

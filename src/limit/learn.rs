@@ -108,6 +108,9 @@ pub struct Learner {
     /// How many replicas share the upstream's budget: this one sees that fraction of
     /// the traffic, and what the upstream let through is this many times its sample.
     replicas: u32,
+    /// This replica probes for the group ([`crate::limit::redis::Probing`]): the answers
+    /// it sees are all of the group's, not its share.
+    sole: bool,
     /// When the upstream accepted the last requests, within [`HORIZON`] (at most
     /// [`SAMPLE`] of them).
     accepted: VecDeque<Instant>,
@@ -170,6 +173,7 @@ impl Learner {
             stepped_at: None,
             since: None,
             replicas: 1,
+            sole: false,
             accepted: VecDeque::new(),
             refusals: VecDeque::new(),
             since_episode: (0, None),
@@ -199,38 +203,6 @@ impl Learner {
     /// The budget the upstream announced last: its quota per window.
     pub fn announced_budget(&self) -> Option<(u64, Duration)> {
         self.budget
-    }
-
-    /// How many requests the upstream accepted from the group within the last
-    /// `window`; 0 when the window is longer than the answers kept reach back. One of
-    /// several replicas sees its share of each window, unevenly: it counts its answers
-    /// over all it keeps ([`HORIZON`]) and scales them to one window of all replicas.
-    pub fn accepted_within(&self, now: Instant, window: Duration) -> u64 {
-        if window > HORIZON {
-            return 0;
-        }
-        let over = if self.replicas > 1 { HORIZON } else { window };
-        let ours = self.accepted.iter().filter(|at| now - **at < over).count() as f64;
-        let scale = f64::from(self.replicas) * window.as_secs_f64() / over.as_secs_f64();
-        (ours * scale).round() as u64
-    }
-
-    /// How soon a window limiter that refused a request at `now` has room again, when
-    /// the group's own answers show it: the upstream accepted the announced quota of
-    /// the group's requests within the last window, so the oldest of those leaves the
-    /// window (a sliding one frees a place then; a fixed one has reset by then). A
-    /// reset given in whole seconds, rounded up, can be most of a second later. `None`
-    /// when fewer of the group's were accepted within the window (others spend the
-    /// budget too, or this is one of several replicas): the upstream's pause holds.
-    pub fn window_frees(&self, now: Instant) -> Option<Duration> {
-        let (quota, window) = self.budget?;
-        let quota = usize::try_from(quota).ok()?;
-        if self.replicas > 1 || quota == 0 || self.accepted.len() < quota {
-            return None;
-        }
-        let oldest = self.accepted[self.accepted.len() - quota];
-        let frees = oldest + window;
-        (now - oldest < window).then(|| frees - now)
     }
 
     /// A response announced a budget. Returns whether the learned rate moved.
@@ -303,7 +275,7 @@ impl Learner {
         }
         let (n, first) = self.since_episode;
         let span = (now - first?).max(pause).as_secs_f64();
-        (n >= 2 && span > 0.0).then(|| f64::from(n) * f64::from(self.replicas) / span)
+        (n >= 2 && span > 0.0).then(|| f64::from(n) * self.scale() / span)
     }
 
     /// What the upstream let through: the requests it accepted within [`HORIZON`], over
@@ -318,13 +290,27 @@ impl Learner {
         let first = *self.accepted.front()?;
         let n = self.accepted.len() as u32;
         let span = (now - first).max(pause).as_secs_f64();
-        let rate = f64::from(n) * f64::from(self.replicas) / span;
+        let rate = f64::from(n) * self.scale() / span;
         (span > 0.0).then_some((rate, n))
     }
 
     /// `replicas` share the upstream's budget (1 unless the store is shared).
     pub fn set_replicas(&mut self, replicas: u32) {
         self.replicas = replicas.max(1);
+    }
+
+    /// Whether this replica probes for the group, as its last booking in the shared
+    /// store said.
+    pub fn probes_for_group(&mut self, sole: bool) {
+        self.sole = sole;
+    }
+
+    /// What the group's answers are to the ones this replica sees.
+    fn scale(&self) -> f64 {
+        match self.sole {
+            true => 1.0,
+            false => f64::from(self.replicas),
+        }
     }
 
     /// The upstream refused a request sent at `sent` at `now` and asks for `pause`;
@@ -344,6 +330,10 @@ impl Learner {
         pace: Option<f64>,
     ) -> bool {
         let before = self.rate();
+        // A bare refusal's reading is only a floor to climb from, a calm interval a
+        // step: read as one replica's share, as though each had probed, it starts from
+        // where the replicas' own probes would.
+        self.sole &= said;
         if said && !pause.is_zero() && pause <= HORIZON {
             self.said_window = Some(pause);
         }
@@ -912,6 +902,30 @@ mod tests {
             l.departed(t0 + S * s);
         }
         assert_eq!(rate(&l), Some(8.845));
+    }
+
+    #[test]
+    fn the_replica_that_probes_for_the_group_reads_its_answers_as_the_groups() {
+        let t0 = Instant::now();
+        // (probes for the group, the refusal said its pause, rate learned)
+        let cases = [
+            // Its five accepted answers are all the group's: 5 a second.
+            (true, true, 4.9),
+            // One replica's share of the group's, were it not the prober.
+            (false, true, 14.7),
+            // A bare refusal's reading is a floor to climb from: read as a share.
+            (true, false, 14.7),
+        ];
+        for (sole, said, learned) in cases {
+            let mut l = Learner::new(t0);
+            l.set_replicas(3);
+            l.probes_for_group(sole);
+            for i in 0..5 {
+                l.accepted(t0 + MS * i);
+            }
+            assert!(l.refused(t0 + MS * 5, t0 + MS * 5, S, said, None));
+            assert_eq!(rate(&l), Some(learned), "sole {sole}, said {said}");
+        }
     }
 
     #[test]

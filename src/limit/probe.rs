@@ -9,10 +9,13 @@
 //! have left, and the window grows by half each round trip. The refusals of the round
 //! that meets the limit come back after its accepted answers have let more out: the
 //! overshoot is about half the quota (with a doubling window, the whole quota). The
-//! probe ends at the first rate the
-//! group learns, at the first refusal (the learner and the pause take over), or
-//! [`PROBE_FOR`] after its first request, whatever the answers: an upstream that
-//! answers slowly holds a new group's first burst for at most that long, once.
+//! probe ends at the first rate the group learns, at the first refusal (the learner
+//! and the pause take over), or [`PROBE_FOR`] after its first request, whatever the
+//! answers: an upstream that answers slowly holds a new group's first burst for at
+//! most that long, once.
+//!
+//! Replicas sharing a store probe as one: one of them probes for the group, and the
+//! store holds the others until it is done ([`super::redis::Probing`]).
 
 use std::time::Duration;
 

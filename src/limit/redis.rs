@@ -34,6 +34,7 @@ use redis::{IntoConnectionInfo, Script, ScriptInvocation};
 
 use super::gcra::Gcra;
 use super::learn::{Precedence, Shared, Source, COUNTED, HORIZON};
+use super::probe::PROBE_FOR;
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
@@ -52,14 +53,17 @@ const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// Books the next slot, and publishes a learned state ([`publication`]).
 ///
 /// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set, the
-/// refused set ([`PAUSE`]), then one TAT key per rate. ARGV: the publication; the cost;
-/// the window to count the group's bookings over, in µs (0: none), and the most
-/// bookings kept for that; then the interval and tolerance of each rate, in µs. Returns
-/// the µs to wait, the µs of pause left (≤ 0 when not paused), the learned base, factor
-/// and source in force (nil when none), the bookings within the window before this
-/// one's departure, this one included (0 when not counted, or when there were too many
-/// to count), the refusals within the window before now, and now (in µs on Redis's
-/// clock).
+/// refused set ([`PAUSE`]), the probe ([`Probing`]: the prober's id, until when), then
+/// one TAT key per rate.
+/// ARGV: the publication; the cost; the window to count the group's bookings over, in
+/// µs (0: none), and the most bookings kept for that; this replica's id, whether its
+/// probe is on (`1`), and how long a probe lasts at most, in ms; then the interval and
+/// tolerance of each rate, in µs. Returns the µs to wait, the µs of pause left (≤ 0
+/// when not paused), the learned base, factor and source in force (nil when none), the
+/// bookings within the window before this one's departure, this one included (0 when
+/// not counted, or when there were too many to count), the refusals within the window
+/// before now, now (in µs on Redis's clock), and the probe: 1 when this replica probes
+/// for the group, minus the µs it may still last when another does (nothing booked).
 const RESERVE: &str = concat!(
     include_str!("redis/publish.lua"),
     include_str!("redis/reserve.lua")
@@ -75,9 +79,11 @@ const RECHECK: &str = include_str!("redis/recheck.lua");
 /// refusals, which a replica sees a share of, are counted here for every replica. The
 /// step down a refusal taught is published at once ([`publication`]), before more
 /// requests are booked at the pace refused.
-/// KEYS: the pause key, the refused set, the learned hash. ARGV: the publication; the
-/// pause in µs; the refusal's id (empty: not a refusal), how long refusals are kept, in
-/// µs, and the most kept.
+/// KEYS: the pause key, the refused set, the learned hash, the probe. ARGV: the
+/// publication; the pause in µs; the refusal's id (empty: not a refusal), how long
+/// refusals are kept, in µs, and the most kept; how long a probe lasts at most, in ms
+/// (a refusal keeps the probe's replica the prober until its pause has ended and it
+/// has published what it learned).
 const PAUSE: &str = concat!(
     include_str!("redis/publish.lua"),
     include_str!("redis/pause.lua")
@@ -121,6 +127,7 @@ type Answer = (
     i64,
     i64,
     i64,
+    i64,
 );
 
 /// The learned state read back from Redis; `None` when absent or not understood (a
@@ -152,6 +159,23 @@ pub struct Reservation {
     pub refused_in_window: u64,
     /// When it was booked, in µs on Redis's clock ([`Redis::recheck`]).
     pub at: u64,
+    /// Who probes the group's upstream.
+    pub probing: Probing,
+}
+
+/// Who probes the upstream of a group that has no rate yet ([`super::probe`]). With
+/// replicas, one probes for the group (the first to book while its probe is on) and the
+/// others wait for what it learns: one request, not one per replica, meets the
+/// upstream first, and the answers of the probe, which a first rate is read from, are
+/// the group's, not a share of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probing {
+    /// Nobody, as far as this booking goes.
+    No,
+    /// This replica probes for the group.
+    ForGroup,
+    /// Another replica does, for at most this long: nothing was booked.
+    Elsewhere(Duration),
 }
 
 /// What a booking tells the store about the group's learning.
@@ -161,6 +185,8 @@ pub struct Learning {
     pub publication: Publication,
     /// The window to count the group's bookings over.
     pub window: Option<Duration>,
+    /// Whether this replica's probe is on ([`Probing`]).
+    pub probing: bool,
 }
 
 /// A learned state a replica publishes ([`publication`]).
@@ -277,8 +303,16 @@ impl Redis {
             return None;
         }
         let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
-        let fixed_keys =
-            ["pause", "learned", "rate:learned", "booked", "refused"].map(|k| self.key(group, k));
+        let fixed_keys = [
+            "pause",
+            "learned",
+            "rate:learned",
+            "booked",
+            "refused",
+            "probe",
+        ]
+        .map(|k| self.key(group, k));
+        let id = self.id.clone();
         let rate_keys: Vec<(String, u64, u64)> = rates
             .iter()
             .enumerate()
@@ -296,14 +330,22 @@ impl Redis {
             publication(&mut call, &learning.publication);
             call.arg(cost)
                 .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
-                .arg(COUNTED);
+                .arg(COUNTED)
+                .arg(id)
+                .arg(u8::from(learning.probing))
+                .arg(PROBE_FOR.as_millis() as u64);
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
             call.invoke_async::<Answer>(&mut conn).await
         });
-        let (wait, paused, base, factor, source, booked, refused, at) = booked.await?;
+        let (wait, paused, base, factor, source, booked, refused, at, probe) = booked.await?;
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
+        let probing = match probe {
+            1 => Probing::ForGroup,
+            left if left < 0 => Probing::Elsewhere(micros(-left)),
+            _ => Probing::No,
+        };
         Some(Reservation {
             wait: micros(wait),
             paused_for: (paused > 0).then(|| micros(paused)),
@@ -311,6 +353,7 @@ impl Redis {
             booked_in_window: booked.max(0) as u64,
             refused_in_window: refused.max(0) as u64,
             at: at.max(0) as u64,
+            probing,
         })
     }
 
@@ -342,7 +385,7 @@ impl Redis {
             return;
         }
         let (script, mut conn) = (self.pause.clone(), self.conn.clone());
-        let keys = ["pause", "refused", "learned"].map(|k| self.key(group, k));
+        let keys = ["pause", "refused", "learned", "probe"].map(|k| self.key(group, k));
         let id = match refusal {
             true => format!(
                 "{}:{}",
@@ -360,6 +403,7 @@ impl Redis {
                 publication(&mut call, &learned);
                 call.arg(pause.as_micros() as u64);
                 call.arg(id).arg(HORIZON.as_micros() as u64).arg(COUNTED);
+                call.arg(PROBE_FOR.as_millis() as u64);
                 call.invoke_async(&mut conn).await
             })
             .await;

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::group::State;
 use super::learn::{Counted, Precedence};
-use super::redis::{Learning, Publication, Redis, Reservation};
+use super::redis::{Learning, Probing, Publication, Redis, Reservation};
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
 
@@ -36,6 +36,9 @@ pub const SHARED_JITTER: Duration = Duration::from_millis(1);
 pub const RECHECK_AHEAD: Duration = Duration::from_millis(100);
 /// How long before its slot a booking is checked again: room for the round trip.
 pub const RECHECK_BEFORE: Duration = Duration::from_millis(2);
+/// How often a replica waiting for another's probe asks again ([`Probing`]): it learns
+/// what the probe taught (or that it is over) this long after at most.
+pub const PROBE_POLL: Duration = Duration::from_millis(25);
 
 /// The factor a rate of one request per `interval` is slowed by when replicas book it.
 pub fn shared_factor(interval: Duration) -> f64 {
@@ -68,6 +71,9 @@ pub enum Slot {
     /// The shared store holds the group paused (the group's pause now says until
     /// when): nothing booked, to be asked again when the pause ends.
     Paused,
+    /// Another replica probes the group's upstream ([`Probing`]): nothing booked, to
+    /// be asked again at this time, or when an answer comes here.
+    Probing(Instant),
 }
 
 impl Store {
@@ -120,6 +126,9 @@ impl Store {
                     group.lock().pause.extend(answered + pause);
                     return Ok(Slot::Paused);
                 }
+                if let Probing::Elsewhere(left) = booking.probing {
+                    return Ok(Slot::Probing(answered + left.min(PROBE_POLL)));
+                }
                 return Ok(Slot::Booked {
                     at: slot,
                     stamp: booking.at,
@@ -169,6 +178,7 @@ impl State {
         Learning {
             publication: self.publication(),
             window: self.learner.count_window(self.rates.pace()),
+            probing: self.probe.is_on(Instant::now()),
         }
     }
 
@@ -224,7 +234,11 @@ impl Group {
             return;
         };
         let now = Instant::now();
-        if booking.paused_for.is_none() {
+        let elsewhere = matches!(booking.probing, Probing::Elsewhere(_));
+        if booking.paused_for.is_none() && !elsewhere {
+            state
+                .learner
+                .probes_for_group(booking.probing == Probing::ForGroup);
             let counted = learning.window.map(|window| Counted {
                 booked: booking.booked_in_window,
                 refused: booking.refused_in_window,

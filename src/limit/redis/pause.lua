@@ -8,6 +8,13 @@ if ARGV[8] ~= '' then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
   redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[10]) - 1)
   redis.call('PEXPIRE', KEYS[2], math.floor(keep / 1000) + 1000)
+  -- A probe meets the upstream's limit: the prober tells the others what it learned
+  -- when the pause ends, and they wait for that.
+  local probe = tonumber(redis.call('HGET', KEYS[4], 'until') or 0)
+  if probe > now then
+    local ends = now + pause + tonumber(ARGV[11]) * 1000
+    redis.call('HSET', KEYS[4], 'until', string.format('%.0f', ends))
+  end
 end
 local current = tonumber(redis.call('GET', KEYS[1]) or 0)
 if now + pause > current then

@@ -7,21 +7,40 @@ local interval = tonumber(learned[1] or 0) or 0
 local window = tonumber(ARGV[8])
 local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
 if paused > now then
-  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0, 0, now }
+  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0, 0, now, 0 }
+end
+-- One replica probes for a group that has no rate yet: the first to ask while its
+-- own probe is on. The others wait until it has learned a rate or its probe is over.
+local probe = 0
+if interval == 0 and #KEYS == 6 then
+  local prober = redis.call('HMGET', KEYS[6], 'id', 'until')
+  local on = prober[1] and now < tonumber(prober[2])
+  if prober[1] == ARGV[10] and on and ARGV[11] ~= '1' then
+    redis.call('HSET', KEYS[6], 'until', string.format('%.0f', now))
+  elseif prober[1] == ARGV[10] and on then
+    probe = 1
+  elseif on and ARGV[11] == '1' then
+    return { 0, 0, learned[2], learned[3], learned[4], 0, 0, now, now - tonumber(prober[2]) }
+  elseif not prober[1] and ARGV[11] == '1' then
+    local ends = now + tonumber(ARGV[12]) * 1000
+    redis.call('HSET', KEYS[6], 'id', ARGV[10], 'until', string.format('%.0f', ends))
+    redis.call('PEXPIRE', KEYS[6], tonumber(ARGV[5]))
+    probe = 1
+  end
 end
 local depart = now
 local tats = {}
-for i = 6, #KEYS do
+for i = 7, #KEYS do
   tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i - 1]))
+  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i]))
 end
 local learned_tat = 0
 if interval > 0 then
   learned_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
   depart = math.max(depart, learned_tat)
 end
-for i = 6, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 2])
+for i = 7, #KEYS do
+  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 1])
   redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 end
 if interval > 0 then
@@ -38,4 +57,4 @@ if window > 0 then
   booked = redis.call('ZCARD', KEYS[4])
   if booked >= tonumber(ARGV[9]) then booked = 0 end
 end
-return { depart - now, paused - now, learned[2], learned[3], learned[4], booked, refused, now }
+return { depart - now, paused - now, learned[2], learned[3], learned[4], booked, refused, now, probe }
