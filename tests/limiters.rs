@@ -396,7 +396,7 @@ async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
     // refusal's step is published at once, and slots booked before it are left unused.
     assert!(refusals(&record) <= 6, "{} refused", refusals(&record));
     let (learned, rate) = learned_in(&redis).await;
-    // About the limiter's 10 a second, not the first burst's floor (about 4).
+    // About the limiter's 10 a second, not the first burst's floor (about 3).
     assert!((8.0..=10.5).contains(&rate), "{learned:?}");
 }
 

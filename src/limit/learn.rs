@@ -365,10 +365,15 @@ impl Learner {
         let refine = match pace {
             // Unpaced: whatever it let through is the first estimate.
             None => {
+                // A guessed pause is a backoff with jitter, half to all of its step:
+                // read over at least a calm interval, a floor does not vary twofold
+                // with it (above the upstream's rate, it costs refusals and steps).
+                let over = if said { pause } else { pause.max(CALM) };
+                let seen = self.seen(now, over);
                 // Nothing accepted yet and nothing said: one request per guessed pause
                 // (per replica) is the floor, and the group is paced from now on.
                 let floor = || {
-                    let per_pause = f64::from(self.replicas) / pause.as_secs_f64().max(1e-3);
+                    let per_pause = f64::from(self.replicas) / over.as_secs_f64().max(1e-3);
                     (!said).then_some(per_pause)
                 };
                 if let (false, Some(seen)) = (announced, seen.map(|(s, _)| s).or_else(floor)) {
@@ -814,32 +819,37 @@ mod tests {
         l.refused(t0 + MS * 2, t0 + MS * 2, S, true, None);
         assert_eq!(rate(&l), Some(4.9));
         // Nothing accepted yet: nothing learned from a refusal that said when to come
-        // back; a bare one paces at one request per guessed pause.
+        // back; a bare one paces at one request per guessed pause, a second at least
+        // (the guess is a backoff with jitter).
         let mut l = Learner::new(t0);
         assert!(!l.refused(t0, t0, S, true, None));
         assert_eq!(l.rate(), None);
         assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 500, false, None));
-        assert_eq!(rate(&l), Some(1.96));
+        assert_eq!(rate(&l), Some(0.98));
+        let mut l = Learner::new(t0);
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, S * 2, false, None));
+        assert_eq!(rate(&l), Some(0.49));
     }
 
     #[test]
     fn a_rate_learned_from_bare_refusals_climbs_fast_until_a_paced_refusal() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
-        // One accepted, the rest refused with nothing said, and a guessed 750 ms pause.
+        // One accepted, the rest refused with nothing said, and a guessed 750 ms pause:
+        // one a second at least.
         l.accepted(t0);
         assert!(l.refused(t0, t0, MS * 750, false, None));
-        assert_eq!(rate(&l), Some(1.307));
+        assert_eq!(rate(&l), Some(0.98));
         // Each calm half second multiplies it by 1.5: the upstream may allow much more.
         assert!(!l.departed(t0 + MS * 400));
         for half in 1..=4 {
             assert!(l.departed(t0 + MS * (500 * half)));
         }
-        assert_eq!(rate(&l), Some(6.615));
-        // A paced request refused: halfway back between 4.41 and 6.615, and no more
+        assert_eq!(rate(&l), Some(4.961));
+        // A paced request refused: halfway back between 3.308 and 4.961, and no more
         // probing upwards.
-        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 66, false, Some(6.615)));
-        assert_eq!(rate(&l), Some(5.513));
+        assert!(l.refused(t0 + S * 2, t0 + S * 2, MS * 66, false, Some(4.961)));
+        assert_eq!(rate(&l), Some(4.134));
         assert!(!l.departed(t0 + S * 3));
         // Accepted at about that pace meanwhile: few refusals among many answers.
         for i in 0..20 {
@@ -848,15 +858,15 @@ mod tests {
         // Refused again, a while later: 5 % under that pace, then half the way back
         // each calm second to 2 % under the pace refused (once, it may have been a
         // request sent a little early).
-        assert!(l.refused(t0 + S * 4, t0 + S * 4, MS * 18, false, Some(5.513)));
-        assert_eq!(rate(&l), Some(5.237));
+        assert!(l.refused(t0 + S * 4, t0 + S * 4, MS * 18, false, Some(4.134)));
+        assert_eq!(rate(&l), Some(3.927));
         let climbed: Vec<_> = (5..=8)
             .map(|s| {
                 l.departed(t0 + S * s);
                 rate(&l).unwrap()
             })
             .collect();
-        assert_eq!(climbed, [5.32, 5.374, 5.403, 5.403]);
+        assert_eq!(climbed, [3.989, 4.03, 4.051, 4.051]);
     }
 
     #[test]
@@ -935,14 +945,15 @@ mod tests {
         l.set_replicas(3);
         l.accepted(t0);
         assert!(l.refused(t0, t0, MS * 750, false, None));
-        // One accepted here, about three in all.
-        assert_eq!(rate(&l), Some(3.92));
+        // One accepted here, about three in all (a second's worth: the pause is a
+        // guess).
+        assert_eq!(rate(&l), Some(2.94));
         // A bare refusal's reading is a floor, probed upwards; by replicas once a calm
         // interval (the store keeps a slower state published less than that before),
         // where one replica would climb after half of one.
         assert!(!l.departed(t0 + S / 2));
         assert!(l.departed(t0 + S));
-        assert_eq!(rate(&l), Some(5.88));
+        assert_eq!(rate(&l), Some(4.41));
         // The state reached the store later than the climb: the next counts from there.
         l.published(t0 + S * 3 / 2);
         assert!(!l.departed(t0 + S * 2));
