@@ -308,3 +308,96 @@ async fn serving_threads_share_one_store() {
     );
     proxy.shutdown().await;
 }
+
+/// The pause script as tollgate runs it (`src/limit/redis.rs`, `PAUSE`).
+const PAUSE_SCRIPT: &str = concat!(
+    include_str!("../src/limit/redis/publish.lua"),
+    include_str!("../src/limit/redis/pause.lua")
+);
+
+/// Redis's clock, in µs: the scripts count on it.
+async fn redis_now(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    secs * 1_000_000 + micros
+}
+
+#[tokio::test]
+async fn a_refusal_restarts_the_learned_chain_after_the_slots_not_checked_again() {
+    let redis = RedisServer::start().await;
+    let mut conn = redis.conn().await;
+    let keys =
+        ["pause", "refused", "learned", "probe", "rate:learned"].map(|k| format!("t{{g}}:{k}"));
+    let interval: u64 = 200_000;
+    let ahead: u64 = 100_000;
+    let _: () = redis::cmd("HSET")
+        .arg(&keys[2])
+        .arg("interval")
+        .arg(interval)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let script = redis::Script::new(PAUSE_SCRIPT);
+    let handle = conn.clone();
+    // Pauses the group for 5 ms: a refusal when `id` is given.
+    let pause = |id: &'static str| {
+        let mut call = script.prepare_invoke();
+        for key in &keys {
+            call.key(key);
+        }
+        // Nothing to publish; the learned hash lives 600 s, precedence "replaces".
+        call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
+        call.arg(5_000)
+            .arg(id)
+            .arg(5_000_000)
+            .arg(1_000)
+            .arg(1_000)
+            .arg(ahead);
+        let mut conn = handle.clone();
+        async move {
+            let _: i64 = call.invoke_async(&mut conn).await.unwrap();
+        }
+    };
+    let tat = || {
+        let (key, mut conn) = (keys[4].clone(), handle.clone());
+        async move {
+            let tat: u64 = redis::cmd("GET")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            tat
+        }
+    };
+    // Ten slots booked ahead at 5/s: the chain ends 2 s from now.
+    let far = redis_now(&mut conn).await + 10 * interval;
+    let _: () = redis::cmd("SET")
+        .arg(&keys[4])
+        .arg(far)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // A pause that is not a refusal leaves the chain alone.
+    pause("").await;
+    assert_eq!(tat().await, far);
+    // A refusal: the slots booked `ahead` or more ahead are checked again and left
+    // unused; the next booking comes an interval after the last slot that is not.
+    let before = redis_now(&mut conn).await;
+    pause("replica:1").await;
+    let after = redis_now(&mut conn).await;
+    let restarted = tat().await;
+    assert!(
+        (before + ahead + interval..=after + ahead + interval).contains(&restarted),
+        "{restarted} not within [{before}, {after}] + {}",
+        ahead + interval
+    );
+    // A chain that ends sooner than that is kept.
+    let near = redis_now(&mut conn).await + ahead;
+    let _: () = redis::cmd("SET")
+        .arg(&keys[4])
+        .arg(near)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    pause("replica:2").await;
+    assert_eq!(tat().await, near);
+}

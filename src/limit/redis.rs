@@ -35,8 +35,12 @@ use redis::{IntoConnectionInfo, Script, ScriptInvocation};
 use super::gcra::Gcra;
 use super::learn::{Precedence, Shared, Source, COUNTED, HORIZON};
 use super::probe::PROBE_FOR;
+
+mod lease;
+use super::store::RECHECK_AHEAD;
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
+pub use lease::Lease;
 
 /// How long a concurrency lease lives without renewal.
 pub const LEASE_TTL: Duration = Duration::from_secs(10);
@@ -79,11 +83,13 @@ const RECHECK: &str = include_str!("redis/recheck.lua");
 /// refusals, which a replica sees a share of, are counted here for every replica. The
 /// step down a refusal taught is published at once ([`publication`]), before more
 /// requests are booked at the pace refused.
-/// KEYS: the pause key, the refused set, the learned hash, the probe. ARGV: the
-/// publication; the pause in µs; the refusal's id (empty: not a refusal), how long
-/// refusals are kept, in µs, and the most kept; how long a probe lasts at most, in ms
-/// (a refusal keeps the probe's replica the prober until its pause has ended and it
-/// has published what it learned).
+/// A refusal also restarts the learned rate's chain of slots after those booked less
+/// than [`RECHECK_AHEAD`] ahead: the others are checked again and left unused.
+/// KEYS: the pause key, the refused set, the learned hash, the probe, the learned
+/// rate's TAT. ARGV: the publication; the pause in µs; the refusal's id (empty: not a
+/// refusal), how long refusals are kept, in µs, and the most kept; how long a probe
+/// lasts at most, in ms (a refusal keeps the probe's replica the prober until its pause
+/// has ended and it has published what it learned); [`RECHECK_AHEAD`] in µs.
 const PAUSE: &str = concat!(
     include_str!("redis/publish.lua"),
     include_str!("redis/pause.lua")
@@ -385,7 +391,8 @@ impl Redis {
             return;
         }
         let (script, mut conn) = (self.pause.clone(), self.conn.clone());
-        let keys = ["pause", "refused", "learned", "probe"].map(|k| self.key(group, k));
+        let keys =
+            ["pause", "refused", "learned", "probe", "rate:learned"].map(|k| self.key(group, k));
         let id = match refusal {
             true => format!(
                 "{}:{}",
@@ -404,47 +411,10 @@ impl Redis {
                 call.arg(pause.as_micros() as u64);
                 call.arg(id).arg(HORIZON.as_micros() as u64).arg(COUNTED);
                 call.arg(PROBE_FOR.as_millis() as u64);
+                call.arg(RECHECK_AHEAD.as_micros() as u64);
                 call.invoke_async(&mut conn).await
             })
             .await;
-    }
-
-    /// Tries to take one of `limit` concurrency leases of `group`: `Some(Some(lease))`
-    /// if taken, `Some(None)` if all are taken, `None` if Redis is down.
-    pub async fn try_lease(self: &Arc<Self>, group: &str, limit: usize) -> Option<Option<Lease>> {
-        if !self.is_up() {
-            return None;
-        }
-        let id = format!(
-            "{}:{}",
-            self.id,
-            self.next_lease.fetch_add(1, Ordering::Relaxed)
-        );
-        let set = self.key(group, "leases");
-        let (script, mut conn) = (self.lease.clone(), self.conn.clone());
-        let (key, member) = (set.clone(), id.clone());
-        let taken: i64 = self
-            .call(async move {
-                let mut call = script.prepare_invoke();
-                call.key(key)
-                    .arg(member)
-                    .arg(limit)
-                    .arg(LEASE_TTL.as_millis() as u64);
-                call.invoke_async(&mut conn).await
-            })
-            .await?;
-        if taken != 1 {
-            return Some(None);
-        }
-        self.leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), set.clone());
-        Some(Some(Lease {
-            redis: self.clone(),
-            id,
-            set,
-        }))
     }
 
     /// Runs the heartbeat (replica count, lease renewal) and, while Redis is down, the
@@ -546,34 +516,6 @@ impl Redis {
 
     fn key(&self, group: &str, what: &str) -> String {
         format!("{}{{{group}}}:{what}", self.prefix)
-    }
-}
-
-/// One of a group's concurrency leases in Redis; given back when dropped.
-pub struct Lease {
-    redis: Arc<Redis>,
-    id: String,
-    set: String,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.redis
-            .leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.id);
-        // Give the lease back now rather than let it expire; if Redis is unreachable
-        // (or the runtime is gone, at exit) it expires within LEASE_TTL anyway.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (mut conn, timeout) = (self.redis.conn.clone(), self.redis.timeout);
-        let mut zrem = redis::cmd("ZREM");
-        zrem.arg(&self.set).arg(&self.id);
-        runtime.spawn(async move {
-            let _ = tokio::time::timeout(timeout, zrem.query_async::<i64>(&mut conn)).await;
-        });
     }
 }
 

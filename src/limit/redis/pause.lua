@@ -8,6 +8,14 @@ if ARGV[8] ~= '' then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
   redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[10]) - 1)
   redis.call('PEXPIRE', KEYS[2], math.floor(keep / 1000) + 1000)
+  -- The slots booked at least ARGV[12] µs ahead are checked again before they come, and
+  -- left unused now that a request was refused: the learned rate's chain restarts after
+  -- the slots that are not checked, not after those left unused.
+  local interval = tonumber(redis.call('HGET', KEYS[3], 'interval') or 0)
+  local restart = now + tonumber(ARGV[12]) + interval
+  if interval > 0 and tonumber(redis.call('GET', KEYS[5]) or 0) > restart then
+    redis.call('SET', KEYS[5], string.format('%.0f', restart), 'PX', math.floor((restart - now) / 1000) + 1000)
+  end
   -- A probe meets the upstream's limit: the prober tells the others what it learned
   -- when the pause ends, and they wait for that.
   local probe = tonumber(redis.call('HGET', KEYS[4], 'until') or 0)
