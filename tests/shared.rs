@@ -309,11 +309,24 @@ async fn serving_threads_share_one_store() {
     proxy.shutdown().await;
 }
 
-/// The pause script as tollgate runs it (`src/limit/redis.rs`, `PAUSE`).
+/// The booking and pause scripts as tollgate runs them (`src/limit/redis.rs`: `RESERVE`
+/// and `PAUSE`, whose comments give their keys and arguments), run here on a real
+/// redis-server for what they keep there.
+const RESERVE_SCRIPT: &str = concat!(
+    include_str!("../src/limit/redis/publish.lua"),
+    include_str!("../src/limit/redis/reserve.lua")
+);
 const PAUSE_SCRIPT: &str = concat!(
     include_str!("../src/limit/redis/publish.lua"),
     include_str!("../src/limit/redis/pause.lua")
 );
+/// How far ahead a slot is checked again (`RECHECK_AHEAD`), in µs.
+const AHEAD: u64 = 100_000;
+
+/// The key of `what` for group `g`, under the prefix `t`.
+fn key(what: &str) -> String {
+    format!("t{{g}}:{what}")
+}
 
 /// Redis's clock, in µs: the scripts count on it.
 async fn redis_now(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
@@ -321,83 +334,130 @@ async fn redis_now(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
     secs * 1_000_000 + micros
 }
 
+/// Books a slot of group `g` for replica `id` (`probing`: its own probe is on), with no
+/// rate and nothing to publish: the µs of pause left and the probe's answer.
+async fn reserve(
+    conn: &mut redis::aio::MultiplexedConnection,
+    id: &str,
+    probing: bool,
+) -> (bool, i64) {
+    let script = redis::Script::new(RESERVE_SCRIPT);
+    let mut call = script.prepare_invoke();
+    for what in [
+        "pause",
+        "learned",
+        "rate:learned",
+        "booked",
+        "refused",
+        "probe",
+    ] {
+        call.key(key(what));
+    }
+    call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
+    call.arg(1)
+        .arg(0)
+        .arg(1_000)
+        .arg(id)
+        .arg(u8::from(probing))
+        .arg(1_000);
+    type Answer = (
+        i64,
+        i64,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        i64,
+        i64,
+        i64,
+        i64,
+    );
+    let answer: Answer = call.invoke_async(conn).await.unwrap();
+    (answer.1 > 0, answer.8)
+}
+
+/// Pauses group `g` for `pause` µs: a refusal when `id` is not empty.
+async fn pause(conn: &mut redis::aio::MultiplexedConnection, pause: u64, id: &str) {
+    let script = redis::Script::new(PAUSE_SCRIPT);
+    let mut call = script.prepare_invoke();
+    for what in ["pause", "refused", "learned", "probe", "rate:learned"] {
+        call.key(key(what));
+    }
+    call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
+    call.arg(pause)
+        .arg(id)
+        .arg(5_000_000)
+        .arg(1_000)
+        .arg(1_000)
+        .arg(AHEAD);
+    let _: i64 = call.invoke_async(conn).await.unwrap();
+}
+
+async fn get(conn: &mut redis::aio::MultiplexedConnection, cmd: &str, args: &[&str]) -> u64 {
+    redis::cmd(cmd).arg(args).query_async(conn).await.unwrap()
+}
+
 #[tokio::test]
 async fn a_refusal_restarts_the_learned_chain_after_the_slots_not_checked_again() {
     let redis = RedisServer::start().await;
     let mut conn = redis.conn().await;
-    let keys =
-        ["pause", "refused", "learned", "probe", "rate:learned"].map(|k| format!("t{{g}}:{k}"));
     let interval: u64 = 200_000;
-    let ahead: u64 = 100_000;
+    let tat = key("rate:learned");
+    let set = |value: u64| redis::cmd("SET").arg(&tat).arg(value).clone();
     let _: () = redis::cmd("HSET")
-        .arg(&keys[2])
+        .arg(key("learned"))
         .arg("interval")
         .arg(interval)
         .query_async(&mut conn)
         .await
         .unwrap();
-    let script = redis::Script::new(PAUSE_SCRIPT);
-    let handle = conn.clone();
-    // Pauses the group for 5 ms: a refusal when `id` is given.
-    let pause = |id: &'static str| {
-        let mut call = script.prepare_invoke();
-        for key in &keys {
-            call.key(key);
-        }
-        // Nothing to publish; the learned hash lives 600 s, precedence "replaces".
-        call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
-        call.arg(5_000)
-            .arg(id)
-            .arg(5_000_000)
-            .arg(1_000)
-            .arg(1_000)
-            .arg(ahead);
-        let mut conn = handle.clone();
-        async move {
-            let _: i64 = call.invoke_async(&mut conn).await.unwrap();
-        }
-    };
-    let tat = || {
-        let (key, mut conn) = (keys[4].clone(), handle.clone());
-        async move {
-            let tat: u64 = redis::cmd("GET")
-                .arg(key)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            tat
-        }
-    };
     // Ten slots booked ahead at 5/s: the chain ends 2 s from now.
     let far = redis_now(&mut conn).await + 10 * interval;
-    let _: () = redis::cmd("SET")
-        .arg(&keys[4])
-        .arg(far)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let _: () = set(far).query_async(&mut conn).await.unwrap();
     // A pause that is not a refusal leaves the chain alone.
-    pause("").await;
-    assert_eq!(tat().await, far);
-    // A refusal: the slots booked `ahead` or more ahead are checked again and left
+    pause(&mut conn, 5_000, "").await;
+    assert_eq!(get(&mut conn, "GET", &[&tat]).await, far);
+    // A refusal: the slots booked `AHEAD` or more ahead are checked again and left
     // unused; the next booking comes an interval after the last slot that is not.
     let before = redis_now(&mut conn).await;
-    pause("replica:1").await;
+    pause(&mut conn, 5_000, "replica:1").await;
     let after = redis_now(&mut conn).await;
-    let restarted = tat().await;
+    let restarted = get(&mut conn, "GET", &[&tat]).await;
+    let expected = before + AHEAD + interval..=after + AHEAD + interval;
     assert!(
-        (before + ahead + interval..=after + ahead + interval).contains(&restarted),
-        "{restarted} not within [{before}, {after}] + {}",
-        ahead + interval
+        expected.contains(&restarted),
+        "{restarted} not in {expected:?}"
     );
     // A chain that ends sooner than that is kept.
-    let near = redis_now(&mut conn).await + ahead;
-    let _: () = redis::cmd("SET")
-        .arg(&keys[4])
-        .arg(near)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    pause("replica:2").await;
-    assert_eq!(tat().await, near);
+    let near = redis_now(&mut conn).await + AHEAD;
+    let _: () = set(near).query_async(&mut conn).await.unwrap();
+    pause(&mut conn, 5_000, "replica:2").await;
+    assert_eq!(get(&mut conn, "GET", &[&tat]).await, near);
+}
+
+#[tokio::test]
+async fn one_replica_probes_for_the_group_and_the_others_wait_for_it() {
+    let redis = RedisServer::start().await;
+    let mut conn = redis.conn().await;
+    // The first to ask while its probe is on probes for the group; the others are held
+    // (a negative answer: the µs the probe lasts at least), a second at most.
+    assert_eq!(reserve(&mut conn, "a", true).await, (false, 1));
+    let (_, held) = reserve(&mut conn, "b", true).await;
+    assert!((-1_000_000..0).contains(&held), "{held}");
+    // A replica whose own probe is over is not held.
+    assert_eq!(reserve(&mut conn, "c", false).await, (false, 0));
+    assert_eq!(reserve(&mut conn, "a", true).await, (false, 1));
+    // A refusal keeps them waiting through its pause and a probe's time after it.
+    let before = redis_now(&mut conn).await;
+    pause(&mut conn, 1_000, "a:1").await;
+    let until = get(&mut conn, "HGET", &[&key("probe"), "until"]).await;
+    assert!(until >= before + 1_000 + 1_000_000, "{until}");
+    // Paused: nothing else is answered until the pause ends.
+    while reserve(&mut conn, "a", false).await.0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The prober booked with its own probe over: the group's is over, and so is that of
+    // every replica that asks from now on, which books.
+    assert_eq!(reserve(&mut conn, "b", true).await, (false, 2));
+    assert_eq!(reserve(&mut conn, "d", true).await, (false, 2));
+    assert!(get(&mut conn, "HGET", &[&key("probe"), "until"]).await <= redis_now(&mut conn).await);
 }

@@ -300,8 +300,13 @@ impl Learner {
     }
 
     /// Whether this replica probes for the group, as its last booking in the shared
-    /// store said.
+    /// store said (no when the store did not answer).
     pub fn probes_for_group(&mut self, sole: bool) {
+        // The answers seen while probing for the group are the group's: read later as
+        // this replica's share, they would count once per replica.
+        if self.sole && !sole {
+            self.accepted.clear();
+        }
         self.sole = sole;
     }
 
@@ -936,6 +941,16 @@ mod tests {
             assert!(l.refused(t0 + MS * 5, t0 + MS * 5, S, said, None));
             assert_eq!(rate(&l), Some(learned), "sole {sole}, said {said}");
         }
+        // The probe over, its answers are not read as this replica's share, times three.
+        let mut l = Learner::new(t0);
+        l.set_replicas(3);
+        l.probes_for_group(true);
+        for i in 0..5 {
+            l.accepted(t0 + MS * i);
+        }
+        assert_eq!(l.accepted_within(t0 + S, S * 2), 5);
+        l.probes_for_group(false);
+        assert_eq!(l.accepted_within(t0 + S, S * 2), 0);
     }
 
     #[test]

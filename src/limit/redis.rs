@@ -6,7 +6,8 @@
 //!
 //! * [`Redis::reserve`] books the next slot of a group's rates (the same GCRA as
 //!   [`super::gcra`], in microseconds) and answers how long to wait for it — one round
-//!   trip per request, no polling. The group's pause is part of the same decision.
+//!   trip per request, no polling (but while another replica probes a new group's
+//!   upstream, [`Probing`]). The group's pause is part of the same decision.
 //! * [`Redis::pause`] records an upstream's push-back for every replica.
 //! * [`Redis::try_lease`] takes one of a group's concurrency leases (`shared_concurrency
 //!   = true`). Leases expire unless renewed, so a replica that crashes returns its share
@@ -35,11 +36,11 @@ use redis::{IntoConnectionInfo, Script, ScriptInvocation};
 use super::gcra::Gcra;
 use super::learn::{Precedence, Shared, Source, COUNTED, HORIZON};
 use super::probe::PROBE_FOR;
-
-mod lease;
 use super::store::RECHECK_AHEAD;
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
+
+mod lease;
 pub use lease::Lease;
 
 /// How long a concurrency lease lives without renewal.
@@ -67,7 +68,8 @@ const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// bookings within the window before this one's departure, this one included (0 when
 /// not counted, or when there were too many to count), the refusals within the window
 /// before now, now (in µs on Redis's clock), and the probe: 1 when this replica probes
-/// for the group, minus the µs it may still last when another does (nothing booked).
+/// for the group, 2 when the group's probe is over (this replica's is too), minus the
+/// µs it lasts at least while another replica's is on (nothing booked).
 const RESERVE: &str = concat!(
     include_str!("redis/publish.lua"),
     include_str!("redis/reserve.lua")
@@ -180,7 +182,10 @@ pub enum Probing {
     No,
     /// This replica probes for the group.
     ForGroup,
-    /// Another replica does, for at most this long: nothing was booked.
+    /// The group's probe is over: this replica's is too.
+    Over,
+    /// Another replica's is on, for this long at least (a refusal extends it): nothing
+    /// was booked.
     Elsewhere(Duration),
 }
 
@@ -349,6 +354,7 @@ impl Redis {
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
         let probing = match probe {
             1 => Probing::ForGroup,
+            2 => Probing::Over,
             left if left < 0 => Probing::Elsewhere(micros(-left)),
             _ => Probing::No,
         };

@@ -231,8 +231,12 @@ impl Group {
         let mut state = self.lock();
         let Some(booking) = booked else {
             state.publish |= learning.publication.publish.is_some();
+            state.learner.probes_for_group(false);
             return;
         };
+        if booking.probing == Probing::Over {
+            state.probe.end();
+        }
         let now = Instant::now();
         let elsewhere = matches!(booking.probing, Probing::Elsewhere(_));
         if booking.paused_for.is_none() && !elsewhere {

@@ -20,9 +20,9 @@ impl Learner {
         if window > HORIZON {
             return 0;
         }
-        let over = if self.replicas > 1 { HORIZON } else { window };
+        let over = if self.scale() > 1.0 { HORIZON } else { window };
         let ours = self.accepted.iter().filter(|at| now - **at < over).count() as f64;
-        let scale = f64::from(self.replicas) * window.as_secs_f64() / over.as_secs_f64();
+        let scale = self.scale() * window.as_secs_f64() / over.as_secs_f64();
         (ours * scale).round() as u64
     }
 
@@ -36,7 +36,7 @@ impl Learner {
     pub fn window_frees(&self, now: Instant) -> Option<Duration> {
         let (quota, window) = self.budget?;
         let quota = usize::try_from(quota).ok()?;
-        if self.replicas > 1 || quota == 0 || self.accepted.len() < quota {
+        if self.scale() > 1.0 || quota == 0 || self.accepted.len() < quota {
             return None;
         }
         let oldest = self.accepted[self.accepted.len() - quota];

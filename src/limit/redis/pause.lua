@@ -16,12 +16,15 @@ if ARGV[8] ~= '' then
   if interval > 0 and tonumber(redis.call('GET', KEYS[5]) or 0) > restart then
     redis.call('SET', KEYS[5], string.format('%.0f', restart), 'PX', math.floor((restart - now) / 1000) + 1000)
   end
-  -- A probe meets the upstream's limit: the prober tells the others what it learned
-  -- when the pause ends, and they wait for that.
+  -- A probe meets the upstream's limit: the others wait through the pause and until
+  -- the prober publishes what it learned (its next booking, typically the refused
+  -- request's retry), or for a probe's time after the pause.
   local probe = tonumber(redis.call('HGET', KEYS[4], 'until') or 0)
   if probe > now then
     local ends = now + pause + tonumber(ARGV[11]) * 1000
     redis.call('HSET', KEYS[4], 'until', string.format('%.0f', ends))
+    local ttl = math.floor((ends - now) / 1000) + 1000
+    if redis.call('PTTL', KEYS[4]) < ttl then redis.call('PEXPIRE', KEYS[4], ttl) end
   end
 end
 local current = tonumber(redis.call('GET', KEYS[1]) or 0)

@@ -10,18 +10,22 @@ if paused > now then
   return { paused - now, paused - now, learned[2], learned[3], learned[4], 0, 0, now, 0 }
 end
 -- One replica probes for a group that has no rate yet: the first to ask while its
--- own probe is on. The others wait until it has learned a rate or its probe is over.
+-- own probe is on. The others wait until it has learned a rate or its probe is over;
+-- then theirs is over too.
 local probe = 0
 if interval == 0 and #KEYS == 6 then
   local prober = redis.call('HMGET', KEYS[6], 'id', 'until')
   local on = prober[1] and now < tonumber(prober[2])
-  if prober[1] == ARGV[10] and on and ARGV[11] ~= '1' then
+  local mine = prober[1] == ARGV[10]
+  if on and mine and ARGV[11] ~= '1' then
     redis.call('HSET', KEYS[6], 'until', string.format('%.0f', now))
-  elseif prober[1] == ARGV[10] and on then
+  elseif on and mine then
     probe = 1
   elseif on and ARGV[11] == '1' then
     return { 0, 0, learned[2], learned[3], learned[4], 0, 0, now, now - tonumber(prober[2]) }
-  elseif not prober[1] and ARGV[11] == '1' then
+  elseif prober[1] and ARGV[11] == '1' then
+    probe = 2
+  elseif ARGV[11] == '1' then
     local ends = now + tonumber(ARGV[12]) * 1000
     redis.call('HSET', KEYS[6], 'id', ARGV[10], 'until', string.format('%.0f', ends))
     redis.call('PEXPIRE', KEYS[6], tonumber(ARGV[5]))
