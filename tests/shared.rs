@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::*;
+use tollgate::limit::redis::{ReserveAnswer, PAUSE, PAUSE_KEYS, RESERVE, RESERVE_KEYS};
 
 fn config(redis: &RedisServer, extra: &str) -> String {
     format!(
@@ -309,19 +310,12 @@ async fn serving_threads_share_one_store() {
     proxy.shutdown().await;
 }
 
-/// The booking and pause scripts as tollgate runs them (`src/limit/redis.rs`: `RESERVE`
-/// and `PAUSE`, whose comments give their keys and arguments), run here on a real
-/// redis-server for what they keep there.
-const RESERVE_SCRIPT: &str = concat!(
-    include_str!("../src/limit/redis/publish.lua"),
-    include_str!("../src/limit/redis/reserve.lua")
-);
-const PAUSE_SCRIPT: &str = concat!(
-    include_str!("../src/limit/redis/publish.lua"),
-    include_str!("../src/limit/redis/pause.lua")
-);
-/// How far ahead a slot is checked again (`RECHECK_AHEAD`), in µs.
-const AHEAD: u64 = 100_000;
+// The booking and pause scripts as tollgate runs them (`limit::redis`: `RESERVE` and
+// `PAUSE`, whose comments give their keys and arguments), run here on a real
+// redis-server for what they keep there.
+
+/// How far ahead a slot is checked again, in µs.
+const AHEAD: u64 = tollgate::limit::store::RECHECK_AHEAD.as_micros() as u64;
 
 /// The key of `what` for group `g`, under the prefix `t`.
 fn key(what: &str) -> String {
@@ -341,16 +335,9 @@ async fn reserve(
     id: &str,
     probing: bool,
 ) -> (bool, i64) {
-    let script = redis::Script::new(RESERVE_SCRIPT);
+    let script = redis::Script::new(RESERVE);
     let mut call = script.prepare_invoke();
-    for what in [
-        "pause",
-        "learned",
-        "rate:learned",
-        "booked",
-        "refused",
-        "probe",
-    ] {
+    for what in RESERVE_KEYS {
         call.key(key(what));
     }
     call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
@@ -360,26 +347,15 @@ async fn reserve(
         .arg(id)
         .arg(u8::from(probing))
         .arg(1_000);
-    type Answer = (
-        i64,
-        i64,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        i64,
-        i64,
-        i64,
-        i64,
-    );
-    let answer: Answer = call.invoke_async(conn).await.unwrap();
+    let answer: ReserveAnswer = call.invoke_async(conn).await.unwrap();
     (answer.1 > 0, answer.8)
 }
 
 /// Pauses group `g` for `pause` µs: a refusal when `id` is not empty.
 async fn pause(conn: &mut redis::aio::MultiplexedConnection, pause: u64, id: &str) {
-    let script = redis::Script::new(PAUSE_SCRIPT);
+    let script = redis::Script::new(PAUSE);
     let mut call = script.prepare_invoke();
-    for what in ["pause", "refused", "learned", "probe", "rate:learned"] {
+    for what in PAUSE_KEYS {
         call.key(key(what));
     }
     call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);

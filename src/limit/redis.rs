@@ -70,7 +70,7 @@ const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// before now, now (in µs on Redis's clock), and the probe: 1 when this replica probes
 /// for the group, 2 when the group's probe is over (this replica's is too), minus the
 /// µs it lasts at least while another replica's is on (nothing booked).
-const RESERVE: &str = concat!(
+pub const RESERVE: &str = concat!(
     include_str!("redis/publish.lua"),
     include_str!("redis/reserve.lua")
 );
@@ -92,7 +92,7 @@ const RECHECK: &str = include_str!("redis/recheck.lua");
 /// refusal), how long refusals are kept, in µs, and the most kept; how long a probe
 /// lasts at most, in ms (a refusal keeps the probe's replica the prober until its pause
 /// has ended and it has published what it learned); [`RECHECK_AHEAD`] in µs.
-const PAUSE: &str = concat!(
+pub const PAUSE: &str = concat!(
     include_str!("redis/publish.lua"),
     include_str!("redis/pause.lua")
 );
@@ -125,8 +125,8 @@ const LEASE: &str = include_str!("redis/lease.lua");
 /// Returns the number of live replicas.
 const HEARTBEAT_SCRIPT: &str = include_str!("redis/heartbeat.lua");
 
-/// The reservation script's answer.
-type Answer = (
+/// The answer of [`RESERVE`].
+pub type ReserveAnswer = (
     i64,
     i64,
     Option<String>,
@@ -137,6 +137,19 @@ type Answer = (
     i64,
     i64,
 );
+
+/// The keys of [`RESERVE`] before the rates' TATs, in order, each under the group's
+/// prefix ([`Redis::key`]).
+pub const RESERVE_KEYS: [&str; 6] = [
+    "pause",
+    "learned",
+    "rate:learned",
+    "booked",
+    "refused",
+    "probe",
+];
+/// The keys of [`PAUSE`], in order, alike.
+pub const PAUSE_KEYS: [&str; 5] = ["pause", "refused", "learned", "probe", "rate:learned"];
 
 /// The learned state read back from Redis; `None` when absent or not understood (a
 /// replica of another version, say).
@@ -314,15 +327,7 @@ impl Redis {
             return None;
         }
         let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
-        let fixed_keys = [
-            "pause",
-            "learned",
-            "rate:learned",
-            "booked",
-            "refused",
-            "probe",
-        ]
-        .map(|k| self.key(group, k));
+        let fixed_keys = RESERVE_KEYS.map(|k| self.key(group, k));
         let id = self.id.clone();
         let rate_keys: Vec<(String, u64, u64)> = rates
             .iter()
@@ -348,7 +353,7 @@ impl Redis {
             for (key, interval, tolerance) in rate_keys {
                 call.key(key).arg(interval).arg(tolerance);
             }
-            call.invoke_async::<Answer>(&mut conn).await
+            call.invoke_async::<ReserveAnswer>(&mut conn).await
         });
         let (wait, paused, base, factor, source, booked, refused, at, probe) = booked.await?;
         let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
@@ -397,8 +402,7 @@ impl Redis {
             return;
         }
         let (script, mut conn) = (self.pause.clone(), self.conn.clone());
-        let keys =
-            ["pause", "refused", "learned", "probe", "rate:learned"].map(|k| self.key(group, k));
+        let keys = PAUSE_KEYS.map(|k| self.key(group, k));
         let id = match refusal {
             true => format!(
                 "{}:{}",
