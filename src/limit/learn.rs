@@ -20,7 +20,9 @@
 //! * a refusal of a request that was already **paced** means "slightly too fast"
 //!   (AIMD): the rate steps down to [`STEP_DOWN`] of the pace, at most once per two
 //!   intervals, and each calm second climbs half the way back (at least [`CLIMB`])
-//!   to a ceiling: the announced rate, else [`MARGIN`] under the pace refused.
+//!   to a ceiling: the announced rate, else [`MARGIN`] under the pace refused. A
+//!   refusal after [`ISOLATED`] accepted answers or more is a request that came a
+//!   little early: [`NOISE_STEP`], and back to the pace itself (see [`step`]).
 //!
 //! Every learned rate is spent at [`MARGIN`] of itself: a window that allows exactly
 //! `q` requests, paced at exactly `q / w` with a millisecond of jitter, would see
@@ -33,18 +35,16 @@ use tokio::time::Instant;
 
 mod shared;
 mod spent;
+mod step;
 
 use shared::Booking;
 pub use shared::{Counted, Precedence, Shared};
 pub use spent::{spent_budget_pauses, OURS_SHARE};
+pub use step::{CLIMB, ISOLATED, NOISE_STEP, STEP_DOWN};
 
 /// The share of a learned rate that is spent: enough room that jitter of a few
 /// milliseconds never puts one request too many in a window.
 pub const MARGIN: f64 = 0.98;
-/// A refusal of a paced request lowers the learned rate to this fraction of the pace.
-pub const STEP_DOWN: f64 = 0.95;
-/// The least a calm interval climbs back, as a fraction of the ceiling.
-pub const CLIMB: f64 = 0.01;
 /// A step down and a climb are this far apart at least; so are two step-downs (one
 /// overload answers several requests in flight at once).
 pub const CALM: Duration = Duration::from_secs(1);
@@ -116,6 +116,8 @@ pub struct Learner {
     accepted: VecDeque<Instant>,
     /// When it refused the last ones, alike.
     refusals: VecDeque<Instant>,
+    /// Accepted answers since the last refusal (or since the start).
+    since_refusal: u32,
     /// Accepted answers since the last refusal episode ended, and the first of them.
     since_episode: (u32, Option<Instant>),
     /// The refusal episode in force: until its pause ends, and whether its sample set
@@ -176,6 +178,7 @@ impl Learner {
             sole: false,
             accepted: VecDeque::new(),
             refusals: VecDeque::new(),
+            since_refusal: 0,
             since_episode: (0, None),
             episode: None,
             said_window: None,
@@ -240,6 +243,7 @@ impl Learner {
     /// The upstream answered normally at `now`. Returns whether the learned rate moved.
     pub fn accepted(&mut self, now: Instant) -> bool {
         keep(&mut self.accepted, now);
+        self.since_refusal = self.since_refusal.saturating_add(1);
         // Answers after an episode's pause belong to the next window's sample; those
         // before it (in flight when the refusal came) to this one.
         if self.episode.is_some_and(|(end, _)| now >= end) {
@@ -335,6 +339,7 @@ impl Learner {
         pace: Option<f64>,
     ) -> bool {
         let before = self.rate();
+        let isolated = self.refusal_isolated();
         // A bare refusal's reading is only a floor to climb from, a calm interval a
         // step: read as one replica's share, as though each had probed, it starts from
         // where the replicas' own probes would.
@@ -451,16 +456,16 @@ impl Learner {
                     }
                     (_, Some(_)) => {
                         self.calm_pace = None;
-                        self.step_down(now, pace);
+                        self.step_down(now, pace, isolated);
                     }
                     (Some(seen), None) => self.learn_below(seen, ceiling, now),
-                    (None, None) => self.step_down(now, pace),
+                    (None, None) => self.step_down(now, pace, isolated),
                 }
                 false
             }
             // Paced at about what it lets through: "slightly too fast".
             Some(pace) => {
-                self.step_down(now, pace);
+                self.step_down(now, pace, isolated);
                 false
             }
         };
@@ -494,93 +499,6 @@ impl Learner {
         self.factor = seen / ceiling;
         self.changed = now;
         self.stepped_at = Some(now);
-    }
-
-    /// Lowers the rate in force to [`STEP_DOWN`] of `pace`, at most once per two of
-    /// its intervals (or per [`CALM`] when that is shorter): the requests in flight
-    /// when it stepped were sent at the old pace, and their refusals say nothing new.
-    ///
-    /// A step that follows the last one within [`CALM`] of the end of its episode is
-    /// the square of [`STEP_DOWN`]: refusals episode after episode say the pace is
-    /// still well above the upstream's, and small steps would take many more of them.
-    fn step_down(&mut self, now: Instant, pace: f64) {
-        let episode = CALM.min(Duration::from_secs_f64(2.0 / pace.max(1e-6)));
-        if self.stepped_at.is_some_and(|at| now - at < episode) {
-            return;
-        }
-        let step = match self.stepped_at {
-            Some(at) if now - at < episode + CALM => STEP_DOWN * STEP_DOWN,
-            _ => STEP_DOWN,
-        };
-        self.stepped_at = Some(now);
-        self.changed = now;
-        match self.base {
-            // Below what the upstream announced, which stays the ceiling.
-            Some((base, source)) if source != Source::Refusals && base > 0.0 => {
-                let target = pace * step / (base * MARGIN);
-                self.factor = target.min(self.factor * step).max(0.01);
-            }
-            // Probing upwards, it went too far in the last step: back to halfway
-            // between that step's start and the pace refused. The answers so far were
-            // at slower paces, and the refusals of the first burst: a fresh sample.
-            _ if self.slow_start => {
-                let halfway = (pace / SLOW_START + pace) / 2.0;
-                self.base = Some((halfway / MARGIN, Source::Refusals));
-                self.factor = 1.0;
-                self.accepted.clear();
-                self.refusals.clear();
-            }
-            // Below the pace refused, and the margin under it is the ceiling to climb
-            // back to: once, a refusal may be a request sent a little early. Refused
-            // again at about a pace refused before, a step under it is.
-            _ => {
-                let again = self
-                    .refused_pace
-                    .is_some_and(|p| pace >= p * MARGIN * MARGIN);
-                let ceiling = if again {
-                    pace * STEP_DOWN / MARGIN
-                } else {
-                    pace
-                };
-                self.base = Some((ceiling, Source::Refusals));
-                self.factor = pace * step / (ceiling * MARGIN);
-            }
-        }
-        self.slow_start = false;
-        self.refused_pace = Some(pace);
-    }
-
-    /// A request departs at `now`: after a calm interval the rate climbs one step
-    /// (fast while probing upwards). Returns whether the learned rate moved.
-    pub fn departed(&mut self, now: Instant) -> bool {
-        if self.base.is_none() {
-            return false;
-        }
-        // Replicas climb as one through the shared store, which keeps a slower state
-        // published less than a calm interval before a faster one.
-        let slow_step = match self.replicas {
-            1 => CALM / 2,
-            _ => CALM,
-        };
-        if self.slow_start && now - self.changed >= slow_step {
-            self.factor *= SLOW_START;
-        } else if !self.slow_start && self.factor < 1.0 && now - self.changed >= CALM {
-            self.held_calm();
-            // Half the way back to the ceiling each calm interval, at least a step.
-            self.factor = (self.factor + ((1.0 - self.factor) / 2.0).max(CLIMB)).min(1.0);
-        } else {
-            return false;
-        }
-        self.changed = now;
-        self.precedence = Precedence::Slower;
-        true
-    }
-
-    /// The rate in force held a calm interval.
-    fn held_calm(&mut self) {
-        if let Some((rate, _)) = self.rate() {
-            self.calm_pace = Some(self.calm_pace.map_or(rate, |c| c.max(rate)));
-        }
     }
 }
 
@@ -878,9 +796,9 @@ mod tests {
     fn a_paced_refusal_steps_down_once_per_episode_and_climbs_back_when_calm() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
-        // Paced at 10/s by the operator, accepted at that pace for 10 s: the pace was
+        // Paced at 10/s by the operator, accepted at that pace for 4 s: the pace was
         // not too far off, so only a step.
-        for i in 0..100 {
+        for i in 60..100 {
             l.accepted(t0 + MS * (100 * i));
         }
         assert!(l.refused(t0 + S * 10, t0 + S * 10, Duration::ZERO, false, Some(10.0)));
@@ -917,6 +835,44 @@ mod tests {
             l.departed(t0 + S * s);
         }
         assert_eq!(rate(&l), Some(8.845));
+    }
+
+    #[test]
+    fn an_isolated_refusal_steps_a_little_and_climbs_back_to_the_pace() {
+        let t0 = Instant::now();
+        let mut l = Learner::new(t0);
+        let accept = |l: &mut Learner, from: u32, n: u32| {
+            for k in 0..n {
+                l.accepted(t0 + MS * (from + 100 * k));
+            }
+        };
+        // Paced at 10/s by the operator, 60 accepted, then one refused: a request that
+        // came a little early, a small step.
+        accept(&mut l, 0, 60);
+        assert!(l.refused(t0 + S * 6, t0 + S * 6, Duration::ZERO, false, Some(10.0)));
+        assert_eq!(rate(&l), Some(9.8));
+        // Calm seconds climb back to the pace itself, not a margin under it.
+        accept(&mut l, 6_100, 60);
+        for s in 7..=20 {
+            l.departed(t0 + S * s);
+        }
+        assert_eq!(rate(&l), Some(10.0));
+        // Isolated again at that pace: still a small step, and back to it.
+        assert!(l.refused(t0 + S * 21, t0 + S * 21, Duration::ZERO, false, Some(10.0)));
+        assert_eq!(rate(&l), Some(9.8));
+        for s in 22..=35 {
+            l.departed(t0 + S * s);
+        }
+        assert_eq!(rate(&l), Some(10.0));
+        // Refused again after a few answers: the pace is too fast, a full step, and
+        // the ceiling a step under the pace refused before.
+        accept(&mut l, 35_100, 10);
+        assert!(l.refused(t0 + S * 37, t0 + S * 37, Duration::ZERO, false, Some(10.0)));
+        assert_eq!(rate(&l), Some(9.5));
+        for s in 38..=80 {
+            l.departed(t0 + S * s);
+        }
+        assert_eq!(rate(&l), Some(9.5));
     }
 
     #[test]
