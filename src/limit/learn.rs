@@ -21,8 +21,8 @@
 //!   (AIMD): the rate steps down to [`STEP_DOWN`] of the pace, at most once per two
 //!   intervals, and each calm second climbs half the way back (at least [`CLIMB`])
 //!   to a ceiling: the announced rate, else [`MARGIN`] under the pace refused. A
-//!   group's first refusal, or one after [`ISOLATED`] accepted answers or more, is a
-//!   request that came a little early: [`NOISE_STEP`], and back to the pace itself.
+//!   refusal after [`ISOLATED`] accepted answers or more is a request that came a
+//!   little early: [`NOISE_STEP`], and back to the pace itself (see [`step`]).
 //!
 //! Every learned rate is spent at [`MARGIN`] of itself: a window that allows exactly
 //! `q` requests, paced at exactly `q / w` with a millisecond of jitter, would see
@@ -116,8 +116,8 @@ pub struct Learner {
     accepted: VecDeque<Instant>,
     /// When it refused the last ones, alike.
     refusals: VecDeque<Instant>,
-    /// Accepted answers since the last refusal; `None` before the first.
-    since_refusal: Option<u32>,
+    /// Accepted answers since the last refusal (or since the start).
+    since_refusal: u32,
     /// Accepted answers since the last refusal episode ended, and the first of them.
     since_episode: (u32, Option<Instant>),
     /// The refusal episode in force: until its pause ends, and whether its sample set
@@ -178,7 +178,7 @@ impl Learner {
             sole: false,
             accepted: VecDeque::new(),
             refusals: VecDeque::new(),
-            since_refusal: None,
+            since_refusal: 0,
             since_episode: (0, None),
             episode: None,
             said_window: None,
@@ -243,9 +243,7 @@ impl Learner {
     /// The upstream answered normally at `now`. Returns whether the learned rate moved.
     pub fn accepted(&mut self, now: Instant) -> bool {
         keep(&mut self.accepted, now);
-        if let Some(n) = &mut self.since_refusal {
-            *n = n.saturating_add(1);
-        }
+        self.since_refusal = self.since_refusal.saturating_add(1);
         // Answers after an episode's pause belong to the next window's sample; those
         // before it (in flight when the refusal came) to this one.
         if self.episode.is_some_and(|(end, _)| now >= end) {
@@ -798,9 +796,8 @@ mod tests {
     fn a_paced_refusal_steps_down_once_per_episode_and_climbs_back_when_calm() {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
-        // Paced at 10/s by the operator, accepted at that pace for 4 s since a refusal
-        // before (not isolated): the pace was not too far off, so only a step.
-        l.since_refusal = Some(0);
+        // Paced at 10/s by the operator, accepted at that pace for 4 s: the pace was
+        // not too far off, so only a step.
         for i in 60..100 {
             l.accepted(t0 + MS * (100 * i));
         }
@@ -1050,8 +1047,7 @@ mod tests {
         let t0 = Instant::now();
         let mut l = Learner::new(t0);
         // Told 8/s; a bucket of 5/s with a burst of 5 lets 14 through in 1.8 s, then
-        // refuses with Retry-After: 1: not clearly below the pace, and the first
-        // refusal, a small step.
+        // refuses with Retry-After: 1: not clearly below the pace, a step.
         let accept = |l: &mut Learner, from: u32, n: u32, every: u32| {
             for k in 0..n {
                 l.accepted(t0 + MS * (from + k * every));
@@ -1060,7 +1056,7 @@ mod tests {
         accept(&mut l, 0, 14, 130);
         let first = t0 + MS * 1820;
         l.refused(first, first, S, true, Some(7.84));
-        assert_eq!(rate(&l), Some(7.683));
+        assert_eq!(rate(&l), Some(7.448));
         // After the pause, full again: 16 more in 2.2 s at the lower pace. Since the
         // last refusal that reads as 7.3/s; over the last five seconds, 5.9/s.
         accept(&mut l, 2820, 16, 137);

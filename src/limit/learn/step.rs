@@ -16,9 +16,8 @@ pub const STEP_DOWN: f64 = 0.95;
 /// An isolated refusal (see [`ISOLATED`]) lowers it to this fraction instead.
 pub const NOISE_STEP: f64 = 0.98;
 /// A refusal is isolated when the group's upstream accepted at least this many
-/// answers since the one before: one refusal in this many is within the 2 % a group
-/// told its rate may see, and the pace held. The group's first refusal is isolated
-/// too: the pace it was told (or learned) stands until refusals come closer.
+/// answers since the one before (or since the start): one refusal in this many is
+/// within the 2 % a group told its rate may see, and the pace held.
 pub const ISOLATED: f64 = 50.0;
 /// The least a calm interval climbs back, as a fraction of the ceiling.
 pub const CLIMB: f64 = 0.01;
@@ -28,8 +27,7 @@ impl Learner {
     /// since the last refusal start again.
     pub(super) fn refusal_isolated(&mut self) -> bool {
         let scale = self.scale();
-        let since = self.since_refusal.replace(0);
-        since.is_none_or(|n| f64::from(n) * scale >= ISOLATED)
+        f64::from(std::mem::take(&mut self.since_refusal)) * scale >= ISOLATED
     }
 
     /// Lowers the rate in force to [`STEP_DOWN`] of `pace` ([`NOISE_STEP`] when the
