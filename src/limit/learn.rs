@@ -22,7 +22,7 @@
 //!   intervals, and each calm second climbs half the way back (at least [`CLIMB`])
 //!   to a ceiling: the announced rate, else [`MARGIN`] under the pace refused. A
 //!   refusal after [`ISOLATED`] accepted answers or more is a request that came a
-//!   little early: [`NOISE_STEP`], and back to the pace itself (see [`step`]).
+//!   little early: [`NOISE_STEP`], and back to the pace itself.
 //!
 //! Every learned rate is spent at [`MARGIN`] of itself: a window that allows exactly
 //! `q` requests, paced at exactly `q / w` with a millisecond of jitter, would see
