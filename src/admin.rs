@@ -6,7 +6,7 @@
 //!
 //! The dashboard is one static page compiled into the binary (`admin/dashboard.html`)
 //! that polls `/status`; the only history behind it is the last minute of departures
-//! per second of each group ([`history`]), sampled here once a second.
+//! per second of each group (`admin/history.rs`), sampled here once a second.
 
 mod history;
 

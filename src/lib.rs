@@ -8,8 +8,8 @@
 //! * [`server`] — accepts client connections, one thread per core, and drains them
 //!   on shutdown;
 //! * [`connection`] — serves one: HTTP/1.1 or h2, CONNECT upgrades, and intercepted
-//!   tunnels as connections of their own;
-//!   ([`half_close`]: a half-closed HTTP/1 client's request is never sent, or answered);
+//!   tunnels as connections of their own ([`half_close`]: a half-closed HTTP/1
+//!   client's request is never sent, or answered);
 //! * [`proxy`] — the whole path of one request, on one screen: check access, classify,
 //!   wait in the group, send, judge the answer, retry;
 //! * [`access`] — client addresses, proxy authentication, loops, and the destination
@@ -31,9 +31,9 @@
 //! * [`shutdown`] — queued requests answered `503` once the grace is over, and counts.
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
-//! file:line:column errors; [`reload`] reads it again on SIGHUP), [`body`] (the one streamed body type), [`metrics`] and
-//! [`admin`] (a dashboard, `/metrics`, `/healthz`, `/status` on their own listener),
-//! [`health`] (`tollgate health`, the container's check of `/healthz`),
+//! file:line:column errors; [`reload`] reads it again on SIGHUP or `POST /reload`),
+//! [`body`] (the one streamed body type), [`metrics`] and [`admin`] (a dashboard,
+//! `/metrics`, `/healthz`, `/status` on their own listener), [`health`] (`tollgate health`, the container's check of `/healthz`),
 //! [`precise_sleep`] (the queue's head waits for its slot on a kernel timer), and
 //! [`descriptors`] (the open-file limit, raised before the runtime starts).
 

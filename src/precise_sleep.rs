@@ -3,29 +3,26 @@
 //!
 //! tokio's timer counts whole milliseconds: a sleep is due at the first tick at or after
 //! its deadline, and the runtime parks for a whole number of milliseconds counted from
-//! the tick it is in, so a sleep ends up to 2 ms after its deadline. Measured at the head
-//! of a queue at 1 000 requests/s: 0.45–1.8 ms late (1st–99th percentile). A request's
-//! time in the queue is its departure minus the departure of the request before it on the
-//! same client connection, so that lateness, varying from one departure to the next, was
-//! the whole spread of queueing latency at rates near one request per millisecond.
-//! It also sends some requests closer together than the rate: a head woken 1 ms late is
-//! counted at its slot (`limit::rate::SLOT_CREDIT`), and when the next wakes on time the
-//! upstream sees the two less than one interval apart, which a strict upstream limiter
-//! refuses. At 50/s, 31 % of the gaps came under 0.99 of the interval with tokio's timer
-//! alone, against 4 % with this sleep.
+//! the tick it is in, so a sleep ends up to 2 ms after its deadline. A request's time in
+//! the queue is its departure minus the departure of the request before it, so that
+//! lateness, varying from one departure to the next, is the whole spread of queueing
+//! latency at rates near one request per millisecond. It also sends some requests closer
+//! together than the rate: a head woken 1 ms late is counted at its slot
+//! (`limit::rate::SLOT_CREDIT`), and when the next wakes on time the upstream sees the
+//! two less than one interval apart, which a strict upstream limiter refuses (the
+//! figures, with and without this sleep: BENCHMARKS.md).
 //!
 //! Here the deadline is also armed on a Linux `timerfd` (a kernel high-resolution timer)
 //! watched by the runtime's reactor, and the sleep ends when either fires. Neither ends
 //! it before the deadline: the timer is armed on the same monotonic clock as [`Instant`],
-//! and the clock is read again when it fires. tokio's sleep stays so that a paused test
-//! clock, which only it follows, works as before, and so that a timer that cannot be made
-//! (another OS, no file descriptor left) costs precision, not the wait. The runtime must
-//! have I/O enabled (tokio panics otherwise when the timer is registered), as every
-//! runtime tollgate starts does.
+//! and the clock is read again when it fires. tokio's sleep races it, so that a paused
+//! test clock, which only tokio's sleep follows, still ends the wait, and so that a timer
+//! that cannot be made (another OS, no file descriptor left) costs precision, not the
+//! wait. The runtime must have I/O enabled (tokio panics otherwise when the timer is
+//! registered), as every runtime tollgate starts does.
 //!
-//! How precise: measured on the wire at 50 and 1 000 requests/s, the 99th percentile of
-//! departures came 0.3–0.5 ms after their slots, against 1.7–1.9 ms with tokio's timer
-//! alone; a busy or descheduled thread still wakes late.
+//! A busy or descheduled thread still wakes late: the kernel timer bounds the timer's
+//! own rounding, not the scheduler's.
 //!
 //! A timer that has fired is kept for the thread's next sleep, so a sleep usually costs
 //! one system call to arm it. A precise wake-up is still a wake-up of its own, where

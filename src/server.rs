@@ -96,9 +96,9 @@ fn bind(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
 /// a single-threaded runtime of its own. A connection is served from accept to
 /// response by one thread, and so is the upstream connection its request uses (the
 /// pool keeps connections per thread): nothing of one exchange wakes another thread.
-/// On one multi-threaded runtime, work stealing moved the halves of an exchange across
-/// threads and cost ≈ 30 % more CPU per forwarded request. Groups,
-/// metrics and the Redis store are shared, so every limit holds across threads.
+/// On one multi-threaded runtime, work stealing moves the halves of an exchange across
+/// threads, which costs CPU per forwarded request (BENCHMARKS.md). Groups, metrics and
+/// the Redis store are shared, so every limit holds across threads.
 pub async fn run(
     sockets: impl Into<Sockets>,
     admin: Option<TcpListener>,
@@ -228,7 +228,7 @@ async fn serve(
     // tokio's time driver wakes itself with a system call whenever a timer is set to fire
     // before its next wake-up. Every request sets two, tens of seconds out (the header
     // and response timeouts), and with nothing else due each would count as earlier: a
-    // write to the reactor's eventfd per request, ≈ 0.7 per forwarded request measured.
+    // write to the reactor's eventfd for most forwarded requests.
     // A tick every second keeps a wake-up near, so those timers never need one.
     let tick = tokio::spawn(async {
         loop {

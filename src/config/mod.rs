@@ -9,7 +9,8 @@
 //!
 //! This file holds [`Config`], its errors, and the checks that span tables (a
 //! `[[limit]]` inheriting `[defaults]`, a route naming a limit); the value types are in
-//! `values.rs` and the tables in `tables.rs`. Both are re-exported here, so every type
+//! `values.rs`, the tables in `tables.rs`, and the checks of settings that name
+//! something outside the file in `external.rs`. All are re-exported here, so every type
 //! is `crate::config::Name` whichever file defines it.
 
 use std::collections::HashSet;

@@ -1,7 +1,8 @@
 //! The tables of `config.toml` as the rest of the crate reads them, with their
-//! defaults: `[proxy]`, `[[route]]`, `[admin]` and `[backend]` as written, and
-//! `[defaults]` and `[[limit]]` as [`GroupSettings`] and [`LimitGroup`] once a limit has
-//! inherited what it does not set (`mod.rs` does that, as it needs both tables).
+//! defaults: `[proxy]`, `[log]`, `[[route]]`, `[access]`, `[intercept]`, `[admin]` and
+//! `[backend]` as written, and `[defaults]` and `[[limit]]` as [`GroupSettings`] and
+//! [`LimitGroup`] once a limit has inherited what it does not set (`mod.rs` does that,
+//! as it needs both tables).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -78,11 +78,6 @@ impl Intercept {
         covers(&self.hosts, self.web_ports_only, &self.bypass, host, port)
     }
 
-    /// The leaf certificates, for the admin endpoints.
-    pub fn leaves(&self) -> &Leaves {
-        &self.leaves
-    }
-
     /// Reads the client's first byte from the opened tunnel to `host` and, for TLS,
     /// completes the handshake, both within `within`. `None` when the client left or failed the
     /// handshake (logged).

@@ -4,7 +4,7 @@
 //! it holds the turn and waits, in this order, for a pause to end ([`super::pause`]),
 //! for its slot ([`super::store`], [`super::rate`]) and for a concurrency permit
 //! ([`super::permits`]); a group told no rate also waits for its probe
-//! ([`super::probe`]). Then it departs ([`Group::depart`], the one place a departure
+//! ([`super::probe`]). Then it departs (`Group::depart`, the one place a departure
 //! is recorded) and the turn goes to the next request. What the upstream's answers do
 //! to the group (a pause, the learned rate) is in `group/answers.rs`.
 //!
@@ -879,7 +879,7 @@ mod tests {
         g.pause_for(Duration::from_secs(5));
         let out = run(&g, 3, Duration::ZERO).await;
         assert_eq!(out, [(0, 5000), (1, 5000), (2, 5000)]);
-        assert!(g.paused_until().is_none());
+        assert!(g.lock().pause.until(Instant::now()).is_none());
     }
 
     #[tokio::test(start_paused = true)]

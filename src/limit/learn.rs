@@ -13,8 +13,8 @@
 //! * **refusals** — an upstream that says nothing about its budget still shows it: the
 //!   requests it accepted in the last seconds ([`HORIZON`]), over the time since the
 //!   first of them (or the pause its refusal asks for, when longer: a burst answered
-//!   at once), is the rate it let through. When it did not even say how long to pause (a bare
-//!   `429`), that rate is only a floor, and it is probed upwards ("slow start":
+//!   at once), is the rate it let through. When it did not even say how long to pause
+//!   (a bare `429`), that rate is only a floor, and it is probed upwards ("slow start":
 //!   × [`SLOW_START`] each half calm interval, each calm interval when replicas share
 //!   the budget) until a paced request is refused;
 //! * a refusal of a request that was already **paced** means "slightly too fast"
@@ -45,8 +45,9 @@ pub use step::{CLIMB, ISOLATED, NOISE_STEP, STEP_DOWN};
 /// The share of a learned rate that is spent: enough room that jitter of a few
 /// milliseconds never puts one request too many in a window.
 pub const MARGIN: f64 = 0.98;
-/// A step down and a climb are this far apart at least; so are two step-downs (one
-/// overload answers several requests in flight at once).
+/// A step down and a climb are this far apart at least; two step-downs are two of the
+/// pace's intervals apart, or this when that is shorter (one overload answers several
+/// requests in flight at once).
 pub const CALM: Duration = Duration::from_secs(1);
 
 /// Where the learned rate comes from, as shown in `/status` and the metrics.

@@ -230,7 +230,7 @@ impl Limits {
         );
     }
 
-    /// How many groups for unlisted hosts exist (for tests and `/status`).
+    /// How many groups for unlisted hosts exist (for tests and benchmarks).
     pub fn dynamic_groups(&self) -> usize {
         self.dynamic
             .read()

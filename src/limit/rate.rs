@@ -115,11 +115,6 @@ impl Rates {
         self.in_force.iter().map(|r| r.interval).max()
     }
 
-    /// The rates in force, in GCRA form (what the Redis store books against).
-    pub fn in_force(&self) -> &[Gcra] {
-        &self.in_force
-    }
-
     /// The configured rates in force, without the learned one (which the Redis store
     /// shares among the replicas itself).
     pub fn configured_in_force(&self) -> &[Gcra] {

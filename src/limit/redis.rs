@@ -6,7 +6,8 @@
 //!
 //! * [`Redis::reserve`] books the next slot of a group's rates (the same GCRA as
 //!   [`super::gcra`], in microseconds) and answers how long to wait for it — one round
-//!   trip per request, no polling (but while another replica probes a new group's
+//!   trip per request (two when the slot is [`RECHECK_AHEAD`] or more ahead:
+//!   [`Redis::recheck`]), no polling (but while another replica probes a new group's
 //!   upstream, [`Probing`]). The group's pause is part of the same decision.
 //! * [`Redis::pause`] records an upstream's push-back for every replica.
 //! * [`Redis::try_lease`] takes one of a group's concurrency leases (`shared_concurrency
@@ -55,7 +56,7 @@ const PROBE: Duration = Duration::from_millis(500);
 /// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 
-/// Books the next slot, and publishes a learned state ([`publication`]).
+/// Books the next slot, and publishes a learned state (`publication`).
 ///
 /// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set, the
 /// refused set ([`PAUSE`]), the probe ([`Probing`]: the prober's id, until when), then
@@ -83,7 +84,7 @@ const RECHECK: &str = include_str!("redis/recheck.lua");
 
 /// Extends the group's pause and, for the upstream's refusal, records it: the group's
 /// refusals, which a replica sees a share of, are counted here for every replica. The
-/// step down a refusal taught is published at once ([`publication`]), before more
+/// step down a refusal taught is published at once (`publication`), before more
 /// requests are booked at the pace refused.
 /// A refusal also restarts the learned rate's chain of slots after those booked less
 /// than [`RECHECK_AHEAD`] ahead: the others are checked again and left unused.
@@ -139,7 +140,7 @@ pub type ReserveAnswer = (
 );
 
 /// The keys of [`RESERVE`] before the rates' TATs, in order, each under the group's
-/// prefix ([`Redis::key`]).
+/// prefix (`Redis::key`).
 pub const RESERVE_KEYS: [&str; 6] = [
     "pause",
     "learned",
@@ -213,7 +214,7 @@ pub struct Learning {
     pub probing: bool,
 }
 
-/// A learned state a replica publishes ([`publication`]).
+/// A learned state a replica publishes (`publication`).
 #[derive(Debug, Clone, Copy)]
 pub struct Publication {
     /// The state, with the interval to book it at; `None`: nothing new to publish.

@@ -33,9 +33,9 @@ impl Group {
 
     /// The upstream pushed back on a request sent at `sent`: pause the group for
     /// `pause` (`said`: the upstream said so, else it is a guess; shorter when the
-    /// group's own answers show the window has room sooner, [`learn::Learner::window_frees`]),
-    /// learn from the refusal, and in adaptive mode slow its rate down. Returns the
-    /// pause.
+    /// group's own answers show the window has room sooner,
+    /// [`learn::Learner::window_frees`]), learn from the refusal, and in adaptive mode
+    /// slow its rate down. Returns the pause.
     pub fn push_back(&self, pause: Duration, said: bool, sent: Instant) -> Duration {
         let pause = {
             let mut state = self.lock();
@@ -137,10 +137,5 @@ impl Group {
     /// the one whose pause holds now ([`crate::limit::pause::Pause::in_row`]).
     pub fn pushbacks_in_row(&self) -> u32 {
         self.lock().pause.in_row(Instant::now())
-    }
-
-    /// When the current pause ends, if the group is paused.
-    pub fn paused_until(&self) -> Option<Instant> {
-        self.lock().pause.until(Instant::now())
     }
 }

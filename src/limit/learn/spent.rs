@@ -54,8 +54,8 @@ impl Learner {
 /// keeps it inside the announced budget, its next request falls in the next window
 /// anyway, and a pause until a reset read a little late (a reset in whole seconds is
 /// rounded up) would only stall it past the window it is entitled to: it does not
-/// pause. A budget spent by others (fewer than `quota` of ours in the window), or one
-/// that nothing says the pace fits, pauses.
+/// pause. A budget spent by others (less than [`OURS_SHARE`] of the quota ours in the
+/// window), or one that nothing says the pace fits, pauses.
 pub fn spent_budget_pauses(
     pace: Option<Duration>,
     announced: Option<(u64, Duration)>,
