@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+mod refusal;
 mod shared;
 mod spent;
 mod step;
@@ -283,15 +284,20 @@ impl Learner {
         (n >= 2 && span > 0.0).then(|| f64::from(n) * self.scale() / span)
     }
 
-    /// What the upstream let through: the requests it accepted within [`HORIZON`], over
-    /// the time since the first of them, or over `pause` when that is longer (a burst
-    /// answered at once); with their count.
-    fn seen(&mut self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
+    /// Drops the answers older than [`HORIZON`].
+    fn forget_past_horizon(&mut self, now: Instant) {
         for times in [&mut self.accepted, &mut self.refusals] {
             while times.front().is_some_and(|at| now - *at > HORIZON) {
                 times.pop_front();
             }
         }
+    }
+
+    /// What the upstream let through: the requests it accepted within [`HORIZON`], over
+    /// the time since the first of them, or over `pause` when that is longer (a burst
+    /// answered at once); with their count.
+    fn seen(&mut self, now: Instant, pause: Duration) -> Option<(f64, u32)> {
+        self.forget_past_horizon(now);
         let first = *self.accepted.front()?;
         let n = self.accepted.len() as u32;
         let span = (now - first).max(pause).as_secs_f64();
@@ -370,101 +376,16 @@ impl Learner {
             return false;
         }
         let announced = self.announced_rate().is_some();
-        let seen = self.seen(now, pause);
+        self.forget_past_horizon(now);
         keep(&mut self.refusals, now);
-        let (refused, accepted) = (self.refusals.len(), self.accepted.len());
         let refine = match pace {
-            // Unpaced: whatever it let through is the first estimate.
-            None => {
-                // A guessed pause is a backoff with jitter, half to all of its step:
-                // read over at least a calm interval, a floor does not vary twofold
-                // with it (above the upstream's rate, it costs refusals and steps).
-                let over = if said { pause } else { pause.max(CALM) };
-                let seen = self.seen(now, over);
-                // Nothing accepted yet and nothing said: one request per guessed pause
-                // (per replica) is the floor, and the group is paced from now on.
-                let floor = || {
-                    let per_pause = f64::from(self.replicas) / over.as_secs_f64().max(1e-3);
-                    (!said).then_some(per_pause)
-                };
-                if let (false, Some(seen)) = (announced, seen.map(|(s, _)| s).or_else(floor)) {
-                    self.learn(seen, now);
-                }
-                // Refusals of an unpaced burst say nothing of a pace to come.
-                self.refusals.clear();
-                // Learned now or later in the episode, a rate guessed from refusals
-                // that said nothing is only a floor.
-                self.slow_start = !announced && !said;
-                !announced
-            }
-            // Paced, and it let through clearly less than the pace: that is its rate
-            // (unless probing upwards, when the sample is of slower paces). A limiter
-            // that said when to come back shows it in the answers since its last
-            // refusal; a bare one in the last seconds' answers, once its refusals
-            // are a fair share of them. One of several replicas sees its share of the
-            // answers, too few to read: the shared store counts the group's.
+            None => self.refused_unpaced(now, pause, said, announced),
+            // Paced: what the upstream let through, when clearly less; else a step.
             Some(pace) if !announced && !self.slow_start => {
-                let answered = refused as f64 + accepted as f64;
-                let fair =
-                    refused >= MIN_PACED_REFUSALS && refused as f64 >= REFUSED_SHARE * answered;
-                let bare = match self.replicas {
-                    1 => seen.filter(|_| fair).map(|(s, _)| s),
-                    _ => self.group_let_through(sent, pace),
-                };
-                // A token bucket refills during the pause it asks for and lets a burst
-                // through after it, which reads as a rate above its own within one
-                // window: over the last seconds, pauses included, it shows less.
-                let horizon = seen.filter(|_| self.replicas == 1).map(|(s, _)| s);
-                // The window since the last refusal needs two answers accepted in it; a
-                // limiter that refuses every other request (a strict one paced at twice
-                // its rate) never shows that, and the last seconds' answers tell instead.
-                let let_through = match said {
-                    true => match (self.window_seen(now, sent, pause), horizon) {
-                        (Some(window), Some(h)) => Some(h.min(window)),
-                        (window, h) => window.or(h),
-                    },
-                    false => bare,
-                }
-                .filter(|seen| seen.is_finite() && *seen > 0.0);
-                // What a bare limiter let through one replica, spaced by the refusals
-                // in between, can be well below its rate: the rate climbs back when
-                // calm, to at most [`ABOVE_SEEN`] times that and a step under the gap
-                // since the last answer accepted (the upstream's interval is longer
-                // than that, no more). The group's count over a second it was busy
-                // for is what the upstream let through: no climb above it, where a
-                // strict limiter refuses.
-                let gap = (self.accepted.back())
-                    .filter(|_| self.replicas == 1)
-                    .map(|last| (now - *last).as_secs_f64());
-                let below_gap = gap
-                    .filter(|g| *g > 0.0)
-                    .map_or(f64::INFINITY, |g| STEP_DOWN / g);
-                let ceiling = (let_through)
-                    .filter(|_| !said && self.replicas == 1)
-                    .map(|seen| below_gap.min(seen * ABOVE_SEEN));
-                // Once a pace has held a calm interval, a bare refusal is not read as
-                // a rate any more: a strict limiter paced a little too fast refuses
-                // every other request, which reads as half of it. A pace climbed well
-                // above the calm one went too far: back to that, under a ceiling
-                // halfway to the pace refused and at least two steps below it (the
-                // upstream's rate lies in between). At about the calm pace, it steps
-                // down.
-                let calm = self.calm_pace.filter(|_| !said);
-                match (let_through.filter(|s| *s < pace * STEP_DOWN), calm) {
-                    (_, Some(calm)) if calm < pace * STEP_DOWN => {
-                        let ceiling = ((calm + pace) / 2.0).min(pace * STEP_DOWN * STEP_DOWN);
-                        self.learn_below(calm / MARGIN, Some(ceiling / MARGIN), now);
-                    }
-                    (_, Some(_)) => {
-                        self.calm_pace = None;
-                        self.step_down(now, pace, isolated);
-                    }
-                    (Some(seen), None) => self.learn_below(seen, ceiling, now),
-                    (None, None) => self.step_down(now, pace, isolated),
-                }
+                self.refused_paced(now, sent, pause, said, pace, isolated);
                 false
             }
-            // Paced at about what it lets through: "slightly too fast".
+            // Paced under an announced budget, or probing upwards: "slightly too fast".
             Some(pace) => {
                 self.step_down(now, pace, isolated);
                 false
