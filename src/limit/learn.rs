@@ -452,6 +452,13 @@ mod tests {
         l.rate().map(|(r, _)| (r * 1000.0).round() / 1000.0)
     }
 
+    /// A request departs at each whole second of `seconds` after `t0`.
+    fn depart_each_second(l: &mut Learner, t0: Instant, seconds: std::ops::RangeInclusive<u32>) {
+        for s in seconds {
+            l.departed(t0 + S * s);
+        }
+    }
+
     #[test]
     fn a_spent_budget_pauses_unless_the_pace_already_keeps_to_it() {
         let ms = |n| Some(MS * n);
@@ -746,16 +753,12 @@ mod tests {
         ));
         assert_eq!(rate(&l), Some(8.574));
         // Calm seconds climb back to 2 % under the last pace refused.
-        for s in 11..=40 {
-            l.departed(t0 + S * s);
-        }
+        depart_each_second(&mut l, t0, 11..=40);
         assert_eq!(rate(&l), Some(9.31));
         // Refused again at about that pace: it was no accident, and the ceiling is a
         // step under it now.
         assert!(l.refused(t0 + S * 41, t0 + S * 41, Duration::ZERO, false, Some(9.31)));
-        for s in 42..=80 {
-            l.departed(t0 + S * s);
-        }
+        depart_each_second(&mut l, t0, 42..=80);
         assert_eq!(rate(&l), Some(8.845));
     }
 
@@ -775,25 +778,19 @@ mod tests {
         assert_eq!(rate(&l), Some(9.8));
         // Calm seconds climb back to the pace itself, not a margin under it.
         accept(&mut l, 6_100, 60);
-        for s in 7..=20 {
-            l.departed(t0 + S * s);
-        }
+        depart_each_second(&mut l, t0, 7..=20);
         assert_eq!(rate(&l), Some(10.0));
         // Isolated again at that pace: still a small step, and back to it.
         assert!(l.refused(t0 + S * 21, t0 + S * 21, Duration::ZERO, false, Some(10.0)));
         assert_eq!(rate(&l), Some(9.8));
-        for s in 22..=35 {
-            l.departed(t0 + S * s);
-        }
+        depart_each_second(&mut l, t0, 22..=35);
         assert_eq!(rate(&l), Some(10.0));
         // Refused again after a few answers: the pace is too fast, a full step, and
         // the ceiling a step under the pace refused before.
         accept(&mut l, 35_100, 10);
         assert!(l.refused(t0 + S * 37, t0 + S * 37, Duration::ZERO, false, Some(10.0)));
         assert_eq!(rate(&l), Some(9.5));
-        for s in 38..=80 {
-            l.departed(t0 + S * s);
-        }
+        depart_each_second(&mut l, t0, 38..=80);
         assert_eq!(rate(&l), Some(9.5));
     }
 
@@ -873,9 +870,7 @@ mod tests {
             assert!(l.adopt(shared(refused), t0 + S));
             l.refused(t0 + S * 2, t0 + S * 2, MS * 10, false, Some(refused));
             assert_eq!(rate(&l), Some(calm), "{calm} → {refused}");
-            for s in 3..=30 {
-                l.departed(t0 + S * s);
-            }
+            depart_each_second(&mut l, t0, 3..=30);
             assert_eq!(rate(&l), Some(ceiling), "{calm} → {refused}");
         }
     }
@@ -901,9 +896,7 @@ mod tests {
         assert_eq!(source, Source::Refusals);
         assert!((3.9..=5.3).contains(&r), "{r}");
         // Calm, it climbs back a little: the refusals spaced what it let through.
-        for s in 3..=10 {
-            l.departed(t0 + S * s);
-        }
+        depart_each_second(&mut l, t0, 3..=10);
         let climbed = l.rate().unwrap().0;
         assert!(climbed > r && climbed <= 5.3, "{r} {climbed}");
     }

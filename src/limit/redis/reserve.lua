@@ -18,14 +18,19 @@ if interval == 0 and #KEYS == 6 then
   local on = prober[1] and now < tonumber(prober[2])
   local mine = prober[1] == ARGV[10]
   if on and mine and ARGV[11] ~= '1' then
+    -- The prober's own probe ended: so does the group's.
     redis.call('HSET', KEYS[6], 'until', string.format('%.0f', now))
   elseif on and mine then
+    -- Still probing for the group.
     probe = 1
   elseif on and ARGV[11] == '1' then
+    -- Another replica probes: nothing booked; the time left, negative.
     return { 0, 0, learned[2], learned[3], learned[4], 0, 0, now, now - tonumber(prober[2]) }
   elseif prober[1] and ARGV[11] == '1' then
+    -- The group's probe is over: so is this replica's.
     probe = 2
   elseif ARGV[11] == '1' then
+    -- No probe yet: this replica probes for the group.
     local ends = now + tonumber(ARGV[12]) * 1000
     redis.call('HSET', KEYS[6], 'id', ARGV[10], 'until', string.format('%.0f', ends))
     redis.call('PEXPIRE', KEYS[6], tonumber(ARGV[5]))
