@@ -43,15 +43,6 @@ struct KindLabels {
     group: String,
     kind: &'static str,
 }
-/// The labels of `tollgate_learned_rate`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct LearnedLabels {
-    group: String,
-    source: &'static str,
-}
-
-/// Where a learned rate comes from, as the `source` label (see `limit::learn::Source`).
-pub const SOURCES: [&str; 3] = ["ratelimit-policy", "limit-and-reset", "refusals"];
 
 /// A gauge of a rate, in requests per second.
 pub type RateGauge = Gauge<f64, AtomicU64>;
@@ -81,7 +72,7 @@ pub struct Metrics {
     upstream_responses: Family<StatusLabels, Counter>,
     upstream_duration: HistogramFamily,
     upstream_errors: Family<KindLabels, Counter>,
-    learned: Family<LearnedLabels, RateGauge>,
+    learned: Family<GroupLabel, RateGauge>,
 }
 
 /// A client connection counted in `tollgate_client_connections` while it lives.
@@ -120,9 +111,26 @@ pub struct GroupMetrics {
     pub passed_through: Counter,
     /// Upstream answers by status, latency and failures.
     pub upstream: Arc<UpstreamMetrics>,
-    /// The rate learned from the upstream, one gauge per source in [`SOURCES`] order;
-    /// the one in force is set, the others are 0.
-    pub learned_rate: [RateGauge; 3],
+    /// The pace learned from the upstream's refusals (docs/budget.md).
+    pub learned_pace: LearnedPace,
+}
+
+/// `tollgate_learned_pace` of one group: a series only while the group keeps a pace,
+/// so that no group reads as "learned 0".
+#[derive(Debug, Clone)]
+pub struct LearnedPace {
+    family: Family<GroupLabel, RateGauge>,
+    label: GroupLabel,
+}
+
+impl LearnedPace {
+    /// The group keeps to `pace` requests per second (`None`: no learned pace).
+    pub fn set(&self, pace: Option<f64>) {
+        match pace {
+            Some(pace) => _ = self.family.get_or_create(&self.label).set(pace),
+            None => _ = self.family.remove(&self.label),
+        }
+    }
 }
 
 /// One group's upstream answers: counted by status code, timed, and its failures to
@@ -300,10 +308,10 @@ impl Metrics {
             "Client connections open now, idle ones and those with a request waiting",
             client_connections.clone(),
         );
-        let learned = Family::<LearnedLabels, RateGauge>::default();
+        let learned = Family::<GroupLabel, RateGauge>::default();
         registry.register(
-            "tollgate_learned_rate",
-            "Requests per second the group keeps to, learned from the upstream (by source)",
+            "tollgate_learned_pace",
+            "Requests per second the group keeps to, learned from the upstream's refusals",
             learned.clone(),
         );
         Metrics {
@@ -365,14 +373,10 @@ impl Metrics {
                 errors: self.upstream_errors.clone(),
                 seen: Mutex::default(),
             }),
-            learned_rate: SOURCES.map(|source| {
-                self.learned
-                    .get_or_create(&LearnedLabels {
-                        group: name.to_string(),
-                        source,
-                    })
-                    .clone()
-            }),
+            learned_pace: LearnedPace {
+                family: self.learned.clone(),
+                label: label.clone(),
+            },
         }
     }
 
@@ -390,12 +394,7 @@ impl Metrics {
         self.pause_seconds.remove(&label);
         self.retries.remove(&label);
         self.passed_through.remove(&label);
-        for source in SOURCES {
-            self.learned.remove(&LearnedLabels {
-                group: name.to_string(),
-                source,
-            });
-        }
+        self.learned.remove(&label);
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {
                 group: name.to_string(),

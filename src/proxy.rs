@@ -315,10 +315,13 @@ impl Proxy {
                 // An open tunnel is a request the upstream took: it counts as an
                 // answer for the group's probe and push-back backoff.
                 if response.status().is_success() {
-                    to.group.calm();
+                    to.group.accepted(opened);
                 }
             }
-            Err(e) => upstream.error(e.proxy_status_error()),
+            Err(e) => {
+                upstream.error(e.proxy_status_error());
+                to.group.unanswered();
+            }
         }
         answer
     }
@@ -372,8 +375,9 @@ impl Proxy {
             let send = Box::pin(switching.send(request.attempt(0), protocol, permit?));
             let response = answer(group, send, timing).await?;
             // A refusal still pauses the group; it is not replayed.
+            let answered = pushback::Answered::now();
             return Ok(
-                match pushback::after_answer(group, arrived, sent, false, 0, response) {
+                match pushback::after_answer(group, arrived, sent, false, 0, response, answered) {
                     ControlFlow::Break(response) => response,
                     ControlFlow::Continue(()) => {
                         unreachable!("a request that cannot be replayed is not")
@@ -400,7 +404,9 @@ impl Proxy {
             let response = answer(group, send, timing).await?;
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
-            match pushback::after_answer(group, arrived, sent, replay, attempt, response) {
+            let answered = pushback::Answered::now();
+            match pushback::after_answer(group, arrived, sent, replay, attempt, response, answered)
+            {
                 ControlFlow::Break(response) => return Ok(response),
                 ControlFlow::Continue(()) => {
                     attempt += 1;
@@ -548,7 +554,11 @@ async fn answer(
     let upstream = &group.metrics.upstream;
     match &answer {
         Ok(response) => upstream.response(response.status().as_u16(), took),
-        Err(e) => upstream.error(e.proxy_status_error()),
+        Err(e) => {
+            upstream.error(e.proxy_status_error());
+            // Not the upstream's answer: it teaches the group nothing.
+            group.unanswered();
+        }
     }
     answer
 }

@@ -12,9 +12,9 @@
 //! client unchanged. So does the 429 of a request out of retries or out of time: apps
 //! that handle 429 themselves still can.
 //!
-//! Responses that are not push-back are read too: `X-RateLimit-Remaining: 0` or
-//! `RateLimit: ...;r=0` pause the group until the reset, before the upstream has to
-//! refuse anything.
+//! Every answer's rate-limit headers teach the group's budget ([`crate::limit::budget`]):
+//! a window spent (`X-RateLimit-Remaining: 0`, `RateLimit: ...;r=0`) holds the group
+//! until the window is over, before the upstream has to refuse anything.
 
 use std::hash::{BuildHasher, Hasher};
 use std::ops::ControlFlow;
@@ -38,8 +38,6 @@ use crate::retry_after::{backoff, retry_after};
 pub enum Verdict {
     /// Nothing to do.
     Pass,
-    /// The budget is spent (rate-limit headers): pause, but this response is fine.
-    Pause(Duration),
     /// The upstream refused the request: pause, and retry it if possible.
     PushBack(Duration),
     /// The upstream refused the request without saying when to come back: pause for
@@ -49,8 +47,7 @@ pub enum Verdict {
 
 /// Judges an upstream response. Pure: the time and the jitter come in as arguments.
 ///
-/// `now` reads our wall clock at the response; it is called only for a response that
-/// says when to come back or carries rate-limit headers.
+/// `now` reads our wall clock at the response; it is called only for a refusal.
 /// `pushbacks_in_row` counts the group's push-backs since its last normal answer, for the
 /// fallback backoff; `jitter` is in `[0, 1)`. `pace` is the group's emission interval
 /// when it is paced: a refusal that says nothing from a paced group means the request
@@ -67,33 +64,29 @@ pub fn judge(
 ) -> Verdict {
     let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
     let max = settings.max_pause;
+    if !settings.retry_statuses.contains(&status) {
+        return Verdict::Pass;
+    }
     // Epoch resets are read against the upstream's own clock when it says what it is:
     // `pause_hint` reads `Date` itself and falls back to `now`.
-    let hint = if names_a_rate_limit(headers) {
-        pause_hint(headers, now(), max)
-    } else {
-        None
+    let hint = || match names_a_rate_limit(headers) {
+        true => pause_hint(headers, now(), max),
+        false => None,
     };
-    if settings.retry_statuses.contains(&status) {
-        let fallback = || {
-            Verdict::Refused(match pace {
-                Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
-                None => backoff(pushbacks_in_row, max, jitter),
-            })
-        };
-        match text(header::RETRY_AFTER) {
-            Some(value) => {
-                let said = retry_after(value, text(header::DATE), now(), max);
-                return said.map_or_else(fallback, Verdict::PushBack);
-            }
-            // A 503 that does not say when to come back is an outage, not a limit.
-            None if status == 503 => {}
-            None => return hint.map_or_else(fallback, Verdict::PushBack),
+    let fallback = || {
+        Verdict::Refused(match pace {
+            Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
+            None => backoff(pushbacks_in_row, max, jitter),
+        })
+    };
+    match text(header::RETRY_AFTER) {
+        Some(value) => {
+            let said = retry_after(value, text(header::DATE), now(), max);
+            said.map_or_else(fallback, Verdict::PushBack)
         }
-    }
-    match hint {
-        Some(pause) if !pause.is_zero() => Verdict::Pause(pause),
-        _ => Verdict::Pass,
+        // A 503 that does not say when to come back is an outage, not a limit.
+        None if status == 503 => Verdict::Pass,
+        None => hint().map_or_else(fallback, Verdict::PushBack),
     }
 }
 
@@ -233,9 +226,30 @@ fn owned_head(mut parts: http::request::Parts) -> http::request::Parts {
     parts
 }
 
+/// When an answer came: our wall clock then, and where the backoff's jitter comes
+/// from (the simulator's is deterministic).
+#[derive(Debug, Clone, Copy)]
+pub struct Answered {
+    /// Our wall clock at the answer.
+    pub at: SystemTime,
+    /// A number in `[0, 1)`.
+    pub jitter: fn() -> f64,
+}
+
+impl Answered {
+    /// An answer that came now.
+    pub fn now() -> Answered {
+        Answered {
+            at: SystemTime::now(),
+            jitter,
+        }
+    }
+}
+
 /// Acts on the upstream's answer to attempt `attempt`, sent at `sent`, of a request
-/// of `group` that arrived at `arrived`: pauses the group as the answer says, and either hands the
-/// answer over (`Break`) or asks for the request to be sent again (`Continue`).
+/// of `group` that arrived at `arrived`, `answered` then: teaches the group's budget,
+/// pauses it as the answer says, and either hands the answer over (`Break`) or asks
+/// for the request to be sent again (`Continue`).
 pub fn after_answer(
     group: &Group,
     arrived: Instant,
@@ -243,49 +257,42 @@ pub fn after_answer(
     can_replay: bool,
     attempt: u32,
     response: Response<Body>,
+    answered: Answered,
 ) -> ControlFlow<Response<Body>> {
     let settings = group.settings();
     let status = response.status().as_u16();
+    let now = answered.at;
     // Jitter only spreads the fallback backoff of a refusal; skip its hashing on every
     // other answer.
     let jitter = if settings.retry_statuses.contains(&status) {
-        jitter()
+        (answered.jitter)()
     } else {
         0.0
     };
     let headers = response.headers();
     if names_a_rate_limit(headers) {
-        if let Some(budget) = announced(headers, SystemTime::now()) {
-            group.learn(budget);
+        if let Some(announcement) = announced(headers, now) {
+            group.announced(&announcement, sent);
         }
     }
     let verdict = judge(
         status,
         headers,
         &settings,
-        SystemTime::now,
+        || now,
         group.pushbacks_in_row(),
         jitter,
         group.pace(),
     );
-    let pause = match verdict {
+    let (pause, said) = match verdict {
         Verdict::Pass => {
-            group.calm();
-            return ControlFlow::Break(response);
-        }
-        Verdict::Pause(pause) => {
-            group.calm();
-            if group.spent_budget_pauses(sent) {
-                group.pause_for(pause);
-                record_pause(group, pause, "budget spent (rate-limit headers)");
-            }
+            group.accepted(sent);
             return ControlFlow::Break(response);
         }
         Verdict::PushBack(pause) => (pause, true),
         Verdict::Refused(pause) => (pause, false),
     };
-    let (pause, said) = pause;
-    let pause = group.push_back(pause, said, sent);
+    group.push_back(pause, said, sent);
     record_pause(group, pause, "upstream pushed back");
     let in_time = arrived
         .checked_add(settings.max_wait)
@@ -370,10 +377,11 @@ mod tests {
         let verdict = judge(429, &refused, &settings, now, 0, 0.5, None);
         assert_eq!(verdict, Verdict::PushBack(Duration::from_secs(5)));
         assert_eq!(reads.get(), 1, "a Retry-After is read against the clock");
+        // A spent window is the budget's to keep to, not a verdict's.
         let spent = headers(&[("ratelimit", r#""default";r=0;t=30"#)]);
         let verdict = judge(200, &spent, &settings, now, 0, 0.5, None);
-        assert_eq!(verdict, Verdict::Pause(Duration::from_secs(30)));
-        assert_eq!(reads.get(), 2, "so is a rate-limit header");
+        assert_eq!(verdict, Verdict::Pass);
+        assert_eq!(reads.get(), 1, "an accepted answer reads no clock");
     }
 
     #[test]
@@ -417,21 +425,6 @@ mod tests {
             &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "12")],
         );
         assert_eq!(v, Verdict::PushBack(Duration::from_secs(12)));
-    }
-
-    #[test]
-    fn a_spent_budget_pauses_before_any_429() {
-        let v = judged(
-            200,
-            &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "12")],
-        );
-        assert_eq!(v, Verdict::Pause(Duration::from_secs(12)));
-        let v = judged(200, &[("ratelimit", "\"default\";r=0;t=4")]);
-        assert_eq!(v, Verdict::Pause(Duration::from_secs(4)));
-        assert_eq!(
-            judged(200, &[("x-ratelimit-remaining", "3")]),
-            Verdict::Pass
-        );
     }
 
     #[test]

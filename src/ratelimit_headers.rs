@@ -71,8 +71,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::header::{HeaderMap, HeaderName, DATE};
 
-use crate::limit::learn::{Announced, Source};
+use crate::limit::budget::{Announcement, Reset};
 use crate::retry_after::{is_ows, until, upstream_now};
+
+mod sf;
 
 const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
@@ -147,53 +149,106 @@ pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> 
     .map(|d| d.min(max_pause))
 }
 
-/// The budget these response headers announce, for the group to learn its rate from:
-/// the slowest `RateLimit-Policy` policy (`q` per `w` seconds), else
-/// `X-RateLimit-Limit` (or `RateLimit-Limit`) with the time to its `Reset`. `now` is
-/// our wall clock at the response, for a reset given as a timestamp.
-pub fn announced(headers: &HeaderMap, now: SystemTime) -> Option<Announced> {
+/// The budget these response headers announce, for the group's window
+/// ([`crate::limit::budget`]): the quota and window of the slowest `RateLimit-Policy`
+/// policy (`q` per `w`), and the remaining quota and reset of the first family that
+/// says them: `X-RateLimit-*` (GitHub's among them), `RateLimit-Limit`/`-Remaining`/
+/// `-Reset`, or the `RateLimit` field (either draft form). `now` is our wall clock at
+/// the response, for a reset given as a timestamp. `None` when nothing is announced.
+pub fn announced(headers: &HeaderMap, now: SystemTime) -> Option<Announcement> {
     if !names_a_rate_limit(headers) {
         return None;
-    }
-    if let Some(policy) = policy_budget(headers) {
-        return Some(policy);
     }
     let date = headers
         .get(DATE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| httpdate::parse_http_date(v).ok());
     let reference = || upstream_now(date, now);
-    [(&X_LIMIT, &X_RESET), (&LIMIT, &RESET)]
-        .into_iter()
-        .find_map(|(limit, reset)| {
-            let quota = leading_integer(headers.get(limit)?.to_str().ok()?)?;
-            let reset = headers.get(reset)?.to_str().ok()?.trim_matches(is_ows);
-            Some(Announced {
-                quota,
-                window: None,
-                reset: Some(legacy_reset(reset, reference)?),
-                source: Source::LimitAndReset,
-            })
-        })
+    let policy = policy_budget(headers);
+    let said = [
+        (&X_LIMIT, &X_REMAINING, &X_RESET),
+        (&LIMIT, &REMAINING, &RESET),
+    ]
+    .into_iter()
+    .map(|(limit, remaining, reset)| {
+        let text = |name: &HeaderName| headers.get(name)?.to_str().ok();
+        Announcement {
+            quota: text(limit).and_then(leading_integer).filter(|q| *q > 0),
+            remaining: text(remaining).and_then(|r| r.trim_matches(is_ows).parse().ok()),
+            reset: text(reset).and_then(|r| legacy_reset(r.trim_matches(is_ows), reference)),
+            window: None,
+        }
+    })
+    .chain(structured_said(
+        headers,
+        policy.as_ref().and_then(|p| p.0.as_deref()),
+    ))
+    .find(|a| a.quota.is_some() || a.remaining.is_some());
+    let mut a = said.unwrap_or_default();
+    // The policy says its quota and window outright.
+    if let Some((_, quota, window)) = policy {
+        a.window = Some(window);
+        a.quota = Some(quota);
+    }
+    (a != Announcement::default()).then_some(a)
 }
 
-/// `RateLimit-Policy`: the policy with the slowest `q` / `w`.
-fn policy_budget(headers: &HeaderMap) -> Option<Announced> {
+/// `RateLimit-Policy`: the policy with the slowest `q` / `w`, with its name.
+fn policy_budget(headers: &HeaderMap) -> Option<(Option<String>, u64, Duration)> {
     let policies = sf::parse(&joined(headers, &RATELIMIT_POLICY)?)?;
     policies
         .iter()
         .filter_map(|p| {
             let quota = p.param("q")?.non_negative()?;
             let window = p.param("w")?.non_negative()?;
-            (quota > 0 && window > 0).then_some((quota, window))
+            (quota > 0 && window > 0).then(|| (p.name().map(str::to_string), quota, window))
         })
-        .min_by(|a, b| (a.0 as f64 / a.1 as f64).total_cmp(&(b.0 as f64 / b.1 as f64)))
-        .map(|(quota, window)| Announced {
-            quota,
-            window: Some(Duration::from_secs(window)),
-            reset: None,
-            source: Source::RatelimitPolicy,
-        })
+        .min_by(|a, b| (a.1 as f64 / a.2 as f64).total_cmp(&(b.1 as f64 / b.2 as f64)))
+        .map(|(name, quota, window)| (name, quota, Duration::from_secs(window)))
+}
+
+/// What the `RateLimit` field says remains: in the current form, the member named
+/// like the policy read (else the one with the least left), `r` and `t`; in the older
+/// dictionary form, `limit`, `remaining` and `reset`.
+fn structured_said(headers: &HeaderMap, policy: Option<&str>) -> Option<Announcement> {
+    let members = sf::parse(&joined(headers, &RATELIMIT)?)?;
+    let whole = |secs: u64| Reset {
+        after: Duration::from_secs(secs),
+        resolution: Duration::from_secs(1),
+    };
+    if members.iter().any(|m| m.key.is_some() && m.item.is_some()) {
+        let value = |key: &str| {
+            let member = members.iter().rev().find(|m| {
+                m.key
+                    .as_deref()
+                    .is_some_and(|k| k.eq_ignore_ascii_case(key))
+            })?;
+            member.item.as_ref()?.non_negative()
+        };
+        return Some(Announcement {
+            quota: value("limit").filter(|q| *q > 0),
+            remaining: value("remaining"),
+            reset: value("reset").map(whole),
+            window: None,
+        });
+    }
+    let left = |m: &&sf::Member| m.param("r").and_then(sf::Bare::non_negative);
+    let member = match policy {
+        Some(name) => members.iter().find(|m| m.name() == Some(name)),
+        None => members
+            .iter()
+            .filter(|m| left(m).is_some())
+            .min_by_key(left),
+    }?;
+    Some(Announcement {
+        quota: None,
+        remaining: left(&member),
+        reset: member
+            .param("t")
+            .and_then(sf::Bare::non_negative)
+            .map(whole),
+        window: None,
+    })
 }
 
 /// The integer a `*-Limit` value starts with (`100`, or `100, 100;w=60` as some send).
@@ -215,18 +270,31 @@ fn legacy(
         return None;
     }
     let reset = headers.get(reset)?.to_str().ok()?.trim_matches(is_ows);
-    legacy_reset(reset, reference)
+    legacy_reset(reset, reference).map(|r| r.after)
 }
 
 /// A `*-Reset` value: delta seconds, Unix seconds, Unix milliseconds or HTTP-date;
-/// `reference` (the upstream's clock) is asked only for the absolute forms.
-fn legacy_reset(value: &str, reference: impl Fn() -> SystemTime) -> Option<Duration> {
+/// `reference` (the upstream's clock) is asked only for the absolute forms. Whole
+/// seconds (and dates) have a resolution of a second, fractions and milliseconds of a
+/// millisecond.
+fn legacy_reset(value: &str, reference: impl Fn() -> SystemTime) -> Option<Reset> {
+    let second = Duration::from_secs(1);
     let Some((whole, frac)) = decimal(value) else {
         let at = httpdate::parse_http_date(value).ok()?;
-        return Some(until(at, reference()));
+        return Some(Reset {
+            after: until(at, reference()),
+            resolution: second,
+        });
+    };
+    let fine = value.contains('.') || whole >= EPOCH_MILLIS_MIN;
+    let resolution = if fine {
+        Duration::from_millis(1)
+    } else {
+        second
     };
     if whole <= DELTA_MAX {
-        return Some(Duration::new(whole, frac));
+        let after = Duration::new(whole, frac);
+        return Some(Reset { after, resolution });
     }
     let since_epoch = if whole >= EPOCH_MILLIS_MIN {
         Duration::from_millis(whole)
@@ -235,7 +303,8 @@ fn legacy_reset(value: &str, reference: impl Fn() -> SystemTime) -> Option<Durat
     };
     // A timestamp past what SystemTime can hold is "very far in the future".
     let at = UNIX_EPOCH.checked_add(since_epoch);
-    Some(at.map_or(Duration::MAX, |at| until(at, reference())))
+    let after = at.map_or(Duration::MAX, |at| until(at, reference()));
+    Some(Reset { after, resolution })
 }
 
 /// `1*DIGIT ["." 1*DIGIT]` as whole units (saturating) and nanoseconds (truncated).
@@ -321,239 +390,6 @@ fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
     lines.peek()?;
     let lines: Option<Vec<&str>> = lines.map(|v| v.to_str().ok()).collect();
     Some(lines?.join(", "))
-}
-
-/// Just enough of RFC 8941 (structured fields) for `RateLimit` and `RateLimit-Policy`.
-mod sf {
-    /// A bare item; the values of decimals and byte sequences are not needed.
-    #[derive(Debug, Clone, PartialEq)]
-    pub(super) enum Bare {
-        Int(i64),
-        Decimal,
-        Str(String),
-        Token(String),
-        Bytes,
-        Bool(bool),
-    }
-
-    impl Bare {
-        /// The value of a non-negative integer; `None` for anything else.
-        pub(super) fn non_negative(&self) -> Option<u64> {
-            match *self {
-                Bare::Int(n) => u64::try_from(n).ok(),
-                _ => None,
-            }
-        }
-    }
-
-    /// One member of a list (`item;params`) or a dictionary (`key=item;params`, or
-    /// `key;params` for a true value, which reads the same as a token list item).
-    #[derive(Debug, Clone, PartialEq)]
-    pub(super) struct Member {
-        pub(super) key: Option<String>,
-        pub(super) item: Option<Bare>,
-        pub(super) params: Vec<(String, Bare)>,
-    }
-
-    impl Member {
-        /// The policy name: a string item, or a token for lenience.
-        pub(super) fn name(&self) -> Option<&str> {
-            match (&self.key, &self.item) {
-                (Some(k), None) => Some(k),
-                (None, Some(Bare::Str(s) | Bare::Token(s))) => Some(s),
-                _ => None,
-            }
-        }
-
-        /// A parameter's value; the last one wins when a key repeats (RFC 8941 §3.1.2).
-        pub(super) fn param(&self, key: &str) -> Option<&Bare> {
-            let mut params = self.params.iter().rev();
-            params
-                .find(|(k, _)| k.eq_ignore_ascii_case(key))
-                .map(|(_, v)| v)
-        }
-    }
-
-    /// Parse a list or dictionary; `None` if it is empty or not well formed.
-    pub(super) fn parse(input: &str) -> Option<Vec<Member>> {
-        let mut p = Parser {
-            s: input.as_bytes(),
-            i: 0,
-        };
-        let mut members = Vec::new();
-        p.skip_ows();
-        while !p.at_end() {
-            members.push(p.member()?);
-            p.skip_ows();
-            if p.at_end() {
-                break;
-            }
-            p.expect(b',')?;
-            p.skip_ows();
-            if p.at_end() {
-                return None; // a trailing comma
-            }
-        }
-        (!members.is_empty()).then_some(members)
-    }
-
-    struct Parser<'a> {
-        s: &'a [u8],
-        i: usize,
-    }
-
-    impl<'a> Parser<'a> {
-        fn at_end(&self) -> bool {
-            self.i >= self.s.len()
-        }
-
-        fn peek(&self) -> Option<u8> {
-            self.s.get(self.i).copied()
-        }
-
-        fn bump(&mut self) -> Option<u8> {
-            let c = self.peek()?;
-            self.i += 1;
-            Some(c)
-        }
-
-        fn expect(&mut self, c: u8) -> Option<()> {
-            (self.bump()? == c).then_some(())
-        }
-
-        /// Consume the bytes `f` accepts and return them; every caller accepts ASCII
-        /// only, so they always form a `str`.
-        fn skip_while(&mut self, f: impl Fn(u8) -> bool) -> &'a str {
-            let s: &'a [u8] = self.s;
-            let start = self.i;
-            while self.peek().is_some_and(&f) {
-                self.i += 1;
-            }
-            std::str::from_utf8(&s[start..self.i]).unwrap_or("")
-        }
-
-        fn skip_ows(&mut self) {
-            self.skip_while(|c| c == b' ' || c == b'\t');
-        }
-
-        fn member(&mut self) -> Option<Member> {
-            let (key, item) = if self.peek()?.is_ascii_alphabetic() || self.peek()? == b'*' {
-                // A dictionary key or a token list item: the same characters start both.
-                let name = self.skip_while(is_token_char).to_owned();
-                if self.peek() == Some(b'=') {
-                    self.i += 1;
-                    (Some(name), Some(self.bare()?))
-                } else {
-                    (Some(name), None)
-                }
-            } else {
-                (None, Some(self.bare()?))
-            };
-            let params = self.params()?;
-            Some(Member { key, item, params })
-        }
-
-        fn params(&mut self) -> Option<Vec<(String, Bare)>> {
-            let mut params = Vec::new();
-            loop {
-                // RFC 8941 allows no space before `;`; tolerate it, it is unambiguous.
-                let before = self.i;
-                self.skip_while(|c| c == b' ');
-                if self.peek() != Some(b';') {
-                    self.i = before;
-                    return Some(params);
-                }
-                self.i += 1;
-                self.skip_while(|c| c == b' ');
-                let first = self.peek()?;
-                if !(first.is_ascii_alphabetic() || first == b'*') {
-                    return None;
-                }
-                let key = self
-                    .skip_while(|c| c.is_ascii_alphanumeric() || b"_-.*".contains(&c))
-                    .to_owned();
-                let value = if self.peek() == Some(b'=') {
-                    self.i += 1;
-                    self.bare()?
-                } else {
-                    Bare::Bool(true)
-                };
-                params.push((key, value));
-            }
-        }
-
-        fn bare(&mut self) -> Option<Bare> {
-            match self.peek()? {
-                b'-' | b'0'..=b'9' => self.number(),
-                b'"' => self.string(),
-                b':' => {
-                    self.i += 1;
-                    self.skip_while(|c| c.is_ascii_alphanumeric() || b"+/=".contains(&c));
-                    self.expect(b':')?;
-                    Some(Bare::Bytes)
-                }
-                b'?' => {
-                    self.i += 1;
-                    match self.bump()? {
-                        b'0' => Some(Bare::Bool(false)),
-                        b'1' => Some(Bare::Bool(true)),
-                        _ => None,
-                    }
-                }
-                c if c.is_ascii_alphabetic() || c == b'*' => {
-                    Some(Bare::Token(self.skip_while(is_token_char).to_owned()))
-                }
-                _ => None,
-            }
-        }
-
-        /// RFC 8941 §4.2.4: at most 15 integer digits, or 12 + 1 to 3 for a decimal.
-        fn number(&mut self) -> Option<Bare> {
-            let negative = self.peek() == Some(b'-');
-            if negative {
-                self.i += 1;
-            }
-            let whole = self.skip_while(|c| c.is_ascii_digit());
-            if whole.is_empty() {
-                return None;
-            }
-            if self.peek() == Some(b'.') {
-                if whole.len() > 12 {
-                    return None;
-                }
-                self.i += 1;
-                let frac = self.skip_while(|c| c.is_ascii_digit());
-                return (1..=3).contains(&frac.len()).then_some(Bare::Decimal);
-            }
-            if whole.len() > 15 {
-                return None;
-            }
-            // At most 15 digits: always fits an i64.
-            let n: i64 = whole.parse().ok()?;
-            Some(Bare::Int(if negative { -n } else { n }))
-        }
-
-        fn string(&mut self) -> Option<Bare> {
-            self.expect(b'"')?;
-            let mut out = String::new();
-            loop {
-                match self.bump()? {
-                    b'"' => return Some(Bare::Str(out)),
-                    b'\\' => match self.bump()? {
-                        c @ (b'"' | b'\\') => out.push(char::from(c)),
-                        _ => return None,
-                    },
-                    c @ 0x20..=0x7e => out.push(char::from(c)),
-                    _ => return None,
-                }
-            }
-        }
-    }
-
-    /// `tchar / ":" / "/"` (RFC 8941 §3.3.4).
-    fn is_token_char(c: u8) -> bool {
-        c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/".contains(&c)
-    }
 }
 
 #[cfg(test)]
@@ -651,28 +487,44 @@ mod tests {
 
     #[test]
     fn announced_budgets() {
-        let reset = (EPOCH + 1).to_string();
-        let x = |q: u64, reset: Duration| Announced {
+        let unix = (EPOCH + 1).to_string();
+        let ms = Duration::from_millis;
+        let whole = |after: Duration| Reset {
+            after,
+            resolution: Duration::from_secs(1),
+        };
+        let said = |q: Option<u64>, r: Option<u64>, reset: Option<Reset>| Announcement {
             quota: q,
             window: None,
-            reset: Some(reset),
-            source: Source::LimitAndReset,
+            remaining: r,
+            reset,
         };
-        let policy = |q: u64, w: u64| Announced {
-            quota: q,
+        let policy = |q: u64, w: u64, r: Option<u64>, t: Option<u64>| Announcement {
+            quota: Some(q),
             window: Some(Duration::from_secs(w)),
-            reset: None,
-            source: Source::RatelimitPolicy,
+            remaining: r,
+            reset: t.map(|t| whole(Duration::from_secs(t))),
         };
-        let ms = Duration::from_millis;
         // Our clock is 0.3 s into the second the Date header names.
         let now = at(EPOCH) + ms(300);
         type Pairs<'a> = &'a [(&'static str, &'a str)];
-        let cases: &[(Pairs, Option<Announced>)] = &[
+        let cases: &[(Pairs, Option<Announcement>)] = &[
             (&[("date", EPOCH_DATE)], None),
+            // A Unix reset in whole seconds: 0.7 s away, to a second.
             (
-                &[("x-ratelimit-limit", "5"), ("x-ratelimit-reset", &reset)],
-                Some(x(5, ms(700))),
+                &[("x-ratelimit-limit", "5"), ("x-ratelimit-reset", &unix)],
+                Some(said(Some(5), None, Some(whole(ms(700))))),
+            ),
+            // GitHub's: used and resource are not needed.
+            (
+                &[
+                    ("x-ratelimit-limit", "5000"),
+                    ("x-ratelimit-remaining", "4999"),
+                    ("x-ratelimit-used", "1"),
+                    ("x-ratelimit-resource", "core"),
+                    ("x-ratelimit-reset", &unix),
+                ],
+                Some(said(Some(5000), Some(4999), Some(whole(ms(700))))),
             ),
             (
                 &[
@@ -681,13 +533,35 @@ mod tests {
                     ("x-ratelimit-remaining", "0"),
                     ("x-ratelimit-reset", "60"),
                 ],
-                Some(x(100, Duration::from_secs(60))),
+                Some(said(
+                    Some(100),
+                    Some(0),
+                    Some(whole(Duration::from_secs(60))),
+                )),
+            ),
+            // Milliseconds are read to the millisecond.
+            (
+                &[
+                    ("x-ratelimit-remaining", "3"),
+                    ("x-ratelimit-reset", "1700000000750"),
+                ],
+                Some(said(
+                    None,
+                    Some(3),
+                    Some(Reset {
+                        after: ms(450),
+                        resolution: ms(1),
+                    }),
+                )),
             ),
             (
                 &[("ratelimit-limit", "10"), ("ratelimit-reset", "3")],
-                Some(x(10, Duration::from_secs(3))),
+                Some(said(Some(10), None, Some(whole(Duration::from_secs(3))))),
             ),
-            (&[("x-ratelimit-limit", "5")], None),
+            (
+                &[("x-ratelimit-limit", "5")],
+                Some(said(Some(5), None, None)),
+            ),
             (
                 &[("x-ratelimit-limit", "many"), ("x-ratelimit-reset", "1")],
                 None,
@@ -697,7 +571,20 @@ mod tests {
                     "ratelimit-policy",
                     r#""burst";q=100;w=60, "day";q=1000;w=86400"#,
                 )],
-                Some(policy(1000, 86400)),
+                Some(policy(1000, 86400, None, None)),
+            ),
+            // The current IETF form: the policy's own member of RateLimit.
+            (
+                &[
+                    ("ratelimit-policy", r#""default";q=5;w=1"#),
+                    ("ratelimit", r#""other";r=0;t=9, "default";r=3;t=1"#),
+                ],
+                Some(policy(5, 1, Some(3), Some(1))),
+            ),
+            // The older dictionary form.
+            (
+                &[("ratelimit", "limit=10, remaining=4, reset=7")],
+                Some(said(Some(10), Some(4), Some(whole(Duration::from_secs(7))))),
             ),
             (
                 &[
@@ -705,7 +592,12 @@ mod tests {
                     ("x-ratelimit-limit", "100"),
                     ("x-ratelimit-reset", "1"),
                 ],
-                Some(policy(5, 1)),
+                Some(Announcement {
+                    quota: Some(5),
+                    window: Some(Duration::from_secs(1)),
+                    remaining: None,
+                    reset: Some(whole(Duration::from_secs(1))),
+                }),
             ),
             (&[("ratelimit-policy", r#""default";q=0;w=1"#)], None),
         ];

@@ -193,13 +193,14 @@ async fn told_nothing_a_fixed_window_teaches_its_rate_and_the_replays_keep_to_it
     // departure on a loaded machine may refuse one; sent all at once, the burst would
     // have 20 refused.
     assert!(refusals(&record) <= 1, "{}", refusals(&record));
+    // The window is read from its whole-second resets: 10 per second, spent as a
+    // budget, with no pace to keep.
     let group = status_of(&proxy).await;
-    assert_eq!(group["learned_from"], "limit-and-reset");
-    let rate = group["learned_rate_per_second"].as_f64().unwrap();
-    assert!((rate - 9.8).abs() < 1e-6, "{rate}");
+    assert_eq!(group["phase"], "windowed", "{group}");
+    assert_eq!(group["window_quota"], 10, "{group}");
+    assert_eq!(group["window_seconds"], 1.0, "{group}");
     let metrics = admin_get(&proxy, "/metrics").await;
-    let line = r#"tollgate_learned_rate{group="api",source="limit-and-reset"} 9.8"#;
-    assert!(metrics.contains(line), "{metrics}");
+    assert!(!metrics.contains("tollgate_learned_pace{"), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,7 +221,12 @@ async fn told_nothing_a_sliding_window_is_learned_from_its_refusals_without_a_st
     let gap = median_gap_after_first_refusal(&record);
     assert!(gap >= Duration::from_millis(90), "{gap:?}");
     let group = status_of(&proxy).await;
-    assert_eq!(group["learned_from"], "refusals");
+    assert_eq!(group["phase"], "paced", "{group}");
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains("tollgate_learned_pace{group=\"api\"} "),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,7 +243,7 @@ async fn told_a_rate_too_high_the_ietf_policy_wins_before_any_refusal() {
     // that can be refused.
     assert!(refusals(&record) <= 1, "{}", refusals(&record));
     let group = status_of(&proxy).await;
-    assert_eq!(group["learned_from"], "ratelimit-policy");
+    assert_eq!(group["window_quota"], 10, "{group}");
     // Remaining: 0 at the end of a window does not stall the group for another (a gap
     // of most of a second between two arrivals), and neither does a request that a
     // loaded machine let leave late enough to meet a spent window: its refusal's
@@ -332,18 +338,20 @@ async fn three_replicas(
     (record, upstream.requests())
 }
 
-/// The group's learned state as the replicas left it in `redis`, and its rate (before
-/// the margin), per second.
+/// The group's shared controller as the replicas left it in `redis`, and its pace,
+/// per second.
 async fn learned_in(redis: &RedisServer) -> (std::collections::HashMap<String, String>, f64) {
     let mut conn = redis.conn().await;
     let learned: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
-        .arg("tollgate:{api}:learned")
+        .arg("tollgate:{api}:budget")
         .query_async(&mut conn)
         .await
         .unwrap();
-    let base: f64 = learned["base"].parse().unwrap();
-    let factor: f64 = learned["factor"].parse().unwrap();
-    (learned, base * factor)
+    let rate = learned
+        .get("rate")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0.0);
+    (learned, rate)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
@@ -351,15 +359,10 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
     let redis = RedisServer::start().await;
     let (record, _) =
         three_replicas(&redis, Family::Sliding { accepted: vec![] }, Some("16/s")).await;
-    // The group's learned rate is in Redis, read from the group's bookings: about the
-    // window's 10 a second, not what one replica made of its third of the answers.
+    // The group's pace is in Redis: about the window's 10 a second, read from what it
+    // let through per pause with every replica's answers, not from one replica's third.
     let (learned, rate) = learned_in(&redis).await;
-    assert_eq!(
-        learned.get("source").map(String::as_str),
-        Some("refusals"),
-        "{learned:?}"
-    );
-    assert!((8.0..=10.5).contains(&rate), "{learned:?}");
+    assert!((7.0..=10.5).contains(&rate), "{learned:?}");
     // Learned once for the three: after the first episode (the requests the replicas
     // had booked at 16/s before it), the replicas keep to it.
     let first = record
@@ -370,8 +373,11 @@ async fn three_replicas_learn_a_sliding_window_as_one() {
         .iter()
         .filter(|(at, s)| *s == 429 && *at - record[first].0 > Duration::from_millis(1500))
         .count();
+    // After it, at most the 5 % a group told too high a rate may see (60 requests):
+    // the pace explores above the ceiling once per 50 answers, and a loaded machine's
+    // late departures meet the window's edge now and then.
     assert!(
-        later <= 1,
+        later <= 3,
         "{later} refusals after the first episode: {record:?}"
     );
 }
@@ -396,8 +402,9 @@ async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
     // refusal's step is published at once, and slots booked before it are left unused.
     assert!(refusals(&record) <= 6, "{} refused", refusals(&record));
     let (learned, rate) = learned_in(&redis).await;
-    // About the limiter's 10 a second, not the first burst's floor (about 3).
-    assert!((8.0..=10.5).contains(&rate), "{learned:?}");
+    // Near the limiter's 10 a second, well above the first burst's floor (about 3);
+    // a loaded machine's late departures cost a step or two more.
+    assert!((6.0..=10.5).contains(&rate), "{learned:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]

@@ -140,7 +140,7 @@ async fn max_wait_counts_from_arrival_with_the_retries_inside_it() {
 }
 
 #[tokio::test]
-async fn adaptive_halves_the_rate_on_push_back_down_to_min_rate_and_climbs_back() {
+async fn a_push_back_steps_the_pace_down_to_min_rate_and_a_calm_round_climbs_back() {
     let refusals = Arc::new(AtomicUsize::new(0));
     let counted = refusals.clone();
     let upstream = Upstream::start(move |s| {
@@ -156,46 +156,33 @@ async fn adaptive_halves_the_rate_on_push_back_down_to_min_rate_and_climbs_back(
     let config = one_group(
         "adaptive",
         &upstream,
-        "rate = \"20/s\"\nadaptive = true\nmin_rate = \"8/s\"\nmax_retries = 0",
+        "rate = \"20/s\"\nadaptive = true\nmin_rate = \"17/s\"\nmax_retries = 0",
     );
     let tollgate = Tollgate::start(&config).await;
-    let effective = |status: &serde_json::Value| -> f64 {
-        status["effective_rates_per_second"][0]
-            .as_f64()
-            .unwrap_or_else(|| panic!("{status}"))
-    };
-    assert_eq!(effective(&group_status(&tollgate, "adaptive").await), 20.0);
+    let pace = |status: &serde_json::Value| status["pace_per_second"].as_f64();
+    assert_eq!(pace(&group_status(&tollgate, "adaptive").await), None);
 
+    // docs/budget.md: a paced refusal steps to `decrease` (0.9) of the pace refused.
     assert_eq!(get(&tollgate, &upstream.url("/refuse1")).await.status, 429);
-    assert_eq!(
-        effective(&group_status(&tollgate, "adaptive").await),
-        10.0,
-        "halved"
-    );
-    // Sent after the 2 s pause, so a push-back of its own: half of 10/s is below the
-    // floor.
+    let status = group_status(&tollgate, "adaptive").await;
+    assert_eq!(pace(&status), Some(18.0), "{status}");
+    // Sent after the 2 s pause, so a step of its own: 16.2/s is below the floor.
     assert_eq!(get(&tollgate, &upstream.url("/refuse2")).await.status, 429);
     assert_eq!(refusals.load(Ordering::SeqCst), 2);
-    assert_eq!(
-        effective(&group_status(&tollgate, "adaptive").await),
-        8.0,
-        "held at min_rate"
-    );
+    let status = group_status(&tollgate, "adaptive").await;
+    assert_eq!(pace(&status), Some(17.0), "held at min_rate: {status}");
 
-    // After the pause, five at once leave at the adapted pace, not at 20/s (one calm
-    // second may have passed, so at most 9/s).
+    // After the pause, five at once leave at that pace, not at 20/s; their answers are
+    // a calm round, which climbs back to a margin under the pace last refused.
     let calls = (0..5).map(|i| start_get(&tollgate, upstream.url(&format!("/ok{i}"))));
     for call in calls.collect::<Vec<_>>() {
         assert_eq!(call.await.unwrap().status, 200);
     }
     let at: Vec<_> = arrivals(&upstream)[2..].to_vec();
     assert_eq!(at.len(), 5);
-    assert_paced(&at, Duration::from_secs_f64(1.0 / 9.0), 1);
-    let climbed = effective(&group_status(&tollgate, "adaptive").await);
-    assert!(
-        climbed > 8.0 && climbed <= 10.0,
-        "a calm second climbs by 1/s (20/s ÷ 20): {climbed}"
-    );
+    assert_paced(&at, Duration::from_secs_f64(1.0 / 17.0), 1);
+    let climbed = pace(&group_status(&tollgate, "adaptive").await).unwrap();
+    assert!((climbed - 0.98 * 18.0).abs() < 1e-9, "{climbed}");
 }
 
 /// The README's "Try it": scripts/demo-upstream.py's rule on port 0 (one request a
@@ -239,19 +226,21 @@ async fn try_it_eight_parallel_calls_to_an_upstream_of_one_a_second_all_get_200(
     assert!(upstream.requests().len() >= 8, "{:?}", upstream.paths());
     let status = group_status(&tollgate, "demo").await;
     assert_eq!(status["upstream_statuses"]["200"], 8, "{status}");
-    assert_eq!(status["learned_from"], "refusals", "{status}");
+    assert_eq!(status["phase"], "paced", "{status}");
 }
 
-/// README: "its first refusals teach the group 0.98/s" and the run takes about 8 s, 7
-/// at best. Timed by counting: after the first refusal no other is needed, so the
-/// upstream sees eight 200s and one 429 (two if a replay raced the lesson).
+/// README: "its first refusal teaches the group the upstream's 1/s" (a pace of 0.9/s,
+/// then 0.98/s once calm). Timed by counting: after the first refusal no other is
+/// needed, so the upstream sees eight 200s and one 429 (two if a replay raced the
+/// lesson).
 #[tokio::test]
-async fn try_it_the_first_refusals_teach_the_group_0_98_per_second() {
+async fn try_it_the_first_refusal_teaches_the_group_one_a_second() {
     let (tollgate, upstream, statuses, _) = try_it().await;
     assert_eq!(statuses, [200; 8]);
     let status = group_status(&tollgate, "demo").await;
-    let learned = status["learned_rate_per_second"].as_f64().unwrap();
-    assert!((0.95..=1.0).contains(&learned), "{status}");
+    assert_eq!(status["ceiling_per_second"], 1.0, "{status}");
+    let learned = status["pace_per_second"].as_f64().unwrap();
+    assert!((0.9..=0.98).contains(&learned), "{status}");
     let refused = upstream.requests().len() - 8;
     assert!((1..=2).contains(&refused), "{refused} refused: {status}");
 }

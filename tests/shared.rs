@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::*;
-use tollgate::limit::redis::{ReserveAnswer, PAUSE, PAUSE_KEYS, RESERVE, RESERVE_KEYS};
+use tollgate::limit::gcra::Gcra;
+use tollgate::limit::redis::{PAUSE, PAUSE_KEYS, RESERVE, RESERVE_KEYS};
 
 fn config(redis: &RedisServer, extra: &str) -> String {
     format!(
@@ -311,11 +312,8 @@ async fn serving_threads_share_one_store() {
 }
 
 // The booking and pause scripts as tollgate runs them (`limit::redis`: `RESERVE` and
-// `PAUSE`, whose comments give their keys and arguments), run here on a real
-// redis-server for what they keep there.
-
-/// How far ahead a slot is checked again, in µs.
-const AHEAD: u64 = tollgate::limit::store::RECHECK_AHEAD.as_micros() as u64;
+// `PAUSE`, whose documents are `limit::redis::protocol`), run here on a real
+// redis-server for what they answer and keep there.
 
 /// The key of `what` for group `g`, under the prefix `t`.
 fn key(what: &str) -> String {
@@ -328,112 +326,206 @@ async fn redis_now(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
     secs * 1_000_000 + micros
 }
 
-/// Books a slot of group `g` for replica `id` (`probing`: its own probe is on), with no
-/// rate and nothing to publish: the µs of pause left and the probe's answer.
-async fn reserve(
+/// Runs `script` on the group's `keys` (then `rates` TAT keys) with `request`.
+async fn run_script(
     conn: &mut redis::aio::MultiplexedConnection,
-    id: &str,
-    probing: bool,
-) -> (bool, i64) {
-    let script = redis::Script::new(RESERVE);
+    script: &str,
+    keys: &[&str],
+    rates: usize,
+    request: serde_json::Value,
+) -> serde_json::Value {
+    let script = redis::Script::new(script);
     let mut call = script.prepare_invoke();
-    for what in RESERVE_KEYS {
+    for what in keys {
         call.key(key(what));
     }
-    call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
-    call.arg(1)
-        .arg(0)
-        .arg(1_000)
-        .arg(id)
-        .arg(u8::from(probing))
-        .arg(1_000);
-    let answer: ReserveAnswer = call.invoke_async(conn).await.unwrap();
-    (answer.1 > 0, answer.8)
+    for i in 0..rates {
+        call.key(key(&format!("rate:{i}")));
+    }
+    let answer: String = call
+        .arg(request.to_string())
+        .invoke_async(conn)
+        .await
+        .unwrap();
+    serde_json::from_str(&answer).unwrap_or(serde_json::Value::String(answer))
 }
 
-/// Pauses group `g` for `pause` µs: a refusal when `id` is not empty.
-async fn pause(conn: &mut redis::aio::MultiplexedConnection, pause: u64, id: &str) {
-    let script = redis::Script::new(PAUSE);
-    let mut call = script.prepare_invoke();
-    for what in PAUSE_KEYS {
-        call.key(key(what));
+/// A booking request with nothing but `extra`'s fields.
+fn reserve_request(extra: serde_json::Value) -> serde_json::Value {
+    let mut request = serde_json::json!({
+        "cost": 1, "rates": [], "pace": 0, "id": "a", "probing": false,
+        "learned": true, "probe_ms": 1000, "ttl_ms": 600_000,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        request[k] = v.clone();
     }
-    call.arg("").arg("").arg("").arg("").arg(600_000).arg(0);
-    call.arg(pause)
-        .arg(id)
-        .arg(5_000_000)
-        .arg(1_000)
-        .arg(1_000)
-        .arg(AHEAD);
-    let _: i64 = call.invoke_async(conn).await.unwrap();
+    request
+}
+
+async fn reserve(
+    conn: &mut redis::aio::MultiplexedConnection,
+    rates: usize,
+    extra: serde_json::Value,
+) -> serde_json::Value {
+    run_script(conn, RESERVE, &RESERVE_KEYS, rates, reserve_request(extra)).await
+}
+
+/// Pauses group `g` for `pause` µs: a refusal with that id, when given.
+async fn pause(conn: &mut redis::aio::MultiplexedConnection, pause: u64, refusal: Option<&str>) {
+    let mut request = serde_json::json!({
+        "pause_us": pause, "keep_us": 5_000_000, "probe_ms": 1000, "ttl_ms": 600_000,
+    });
+    if let Some(id) = refusal {
+        request["refusal"] = id.into();
+    }
+    run_script(conn, PAUSE, &PAUSE_KEYS, 0, request).await;
 }
 
 async fn get(conn: &mut redis::aio::MultiplexedConnection, cmd: &str, args: &[&str]) -> u64 {
     redis::cmd(cmd).arg(args).query_async(conn).await.unwrap()
 }
 
+/// One table of GCRA vectors, checked against `gcra.rs` and against `reserve.lua` on a
+/// real redis-server: the script is the Redis form of the same two functions.
 #[tokio::test]
-async fn a_refusal_restarts_the_learned_chain_after_the_slots_not_checked_again() {
+async fn gcra_vectors_hold_for_gcra_rs_and_reserve_lua() {
     let redis = RedisServer::start().await;
     let mut conn = redis.conn().await;
-    let interval: u64 = 200_000;
-    let tat = key("rate:learned");
-    let set = |value: u64| redis::cmd("SET").arg(&tat).arg(value).clone();
-    let _: () = redis::cmd("HSET")
-        .arg(key("learned"))
-        .arg("interval")
-        .arg(interval)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    // Ten slots booked ahead at 5/s: the chain ends 2 s from now.
-    let far = redis_now(&mut conn).await + 10 * interval;
-    let _: () = set(far).query_async(&mut conn).await.unwrap();
-    // A pause that is not a refusal leaves the chain alone.
-    pause(&mut conn, 5_000, "").await;
-    assert_eq!(get(&mut conn, "GET", &[&tat]).await, far);
-    // A refusal: the slots booked `AHEAD` or more ahead are checked again and left
-    // unused; the next booking comes an interval after the last slot that is not.
-    let before = redis_now(&mut conn).await;
-    pause(&mut conn, 5_000, "replica:1").await;
-    let after = redis_now(&mut conn).await;
-    let restarted = get(&mut conn, "GET", &[&tat]).await;
-    let expected = before + AHEAD + interval..=after + AHEAD + interval;
+    let ms = Duration::from_millis;
+    // (rate, burst, the TAT this far ahead of now (ms), cost)
+    let vectors = [
+        ("10/s", 1, 0, 1),
+        ("10/s", 1, 300, 1),
+        ("10/s", 3, 150, 1),
+        ("10/s", 3, 350, 2),
+        ("1/s", 1, 999, 5),
+        ("50/s", 5, 20, 1),
+    ];
+    for (rate, burst, ahead, cost) in vectors {
+        let rate: tollgate::config::Rate = rate.parse().unwrap();
+        let gcra = Gcra::new(rate.limit, rate.period, burst);
+        // The Rust answer, from "now": when it leaves and the TAT after it.
+        let now = Duration::from_secs(100);
+        let tat = now + ms(ahead);
+        let depart = gcra.earliest(tat, now);
+        let (wait, next) = (depart - now, gcra.advance(tat, depart, cost) - now);
+        // The script's, from Redis's now: a few µs after `before`, the tolerance.
+        let interval = gcra.interval.as_micros() as u64;
+        let tolerance = gcra.tolerance.as_micros() as u64;
+        let before = redis_now(&mut conn).await;
+        let _: () = redis::cmd("SET")
+            .arg(key("rate:0"))
+            .arg(before + ahead * 1000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let extra = serde_json::json!({ "cost": cost, "rates": [[interval, tolerance]] });
+        let answer = reserve(&mut conn, 1, extra).await;
+        let elapsed = redis_now(&mut conn).await - before;
+        let lua_wait = answer["wait"].as_f64().unwrap() as u64;
+        let lua_next = get(&mut conn, "GET", &[&key("rate:0")]).await - before;
+        let case = format!("{rate:?} burst {burst} ahead {ahead} ms cost {cost}");
+        let (rust_wait, rust_next) = (wait.as_micros() as u64, next.as_micros() as u64);
+        assert!(
+            lua_wait.abs_diff(rust_wait) <= elapsed,
+            "{case}: {lua_wait} vs {rust_wait}"
+        );
+        assert!(
+            lua_next.abs_diff(rust_next) <= elapsed,
+            "{case}: {lua_next} vs {rust_next}"
+        );
+        let _: () = redis::cmd("DEL")
+            .arg(key("rate:0"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_window_books_at_most_its_quota_in_any_span_over_every_replica() {
+    let redis = RedisServer::start().await;
+    let mut conn = redis.conn().await;
+    // 3 per 500 ms, booked by two replicas.
+    let window = serde_json::json!({ "window": [3, 500_000] });
+    let mut waits = Vec::new();
+    for id in ["a", "b", "a", "b", "a"] {
+        let mut extra = window.clone();
+        extra["id"] = id.into();
+        let answer = reserve(&mut conn, 0, extra).await;
+        waits.push(answer["wait"].as_f64().unwrap() as u64);
+    }
+    // Three at once, then the fourth and fifth a span after the first and second.
+    assert!(waits[..3].iter().all(|w| *w < 50_000), "{waits:?}");
     assert!(
-        expected.contains(&restarted),
-        "{restarted} not in {expected:?}"
+        waits[3..].iter().all(|w| (450_000..=500_000).contains(w)),
+        "{waits:?}"
     );
-    // A chain that ends sooner than that is kept.
-    let near = redis_now(&mut conn).await + AHEAD;
-    let _: () = set(near).query_async(&mut conn).await.unwrap();
-    pause(&mut conn, 5_000, "replica:2").await;
-    assert_eq!(get(&mut conn, "GET", &[&tat]).await, near);
+    assert_eq!(
+        get(&mut conn, "ZCARD", &[&key("booked")]).await,
+        3,
+        "only a quota is kept"
+    );
+}
+
+#[tokio::test]
+async fn the_shared_pace_moves_only_from_the_version_it_was_changed_on() {
+    let redis = RedisServer::start().await;
+    let mut conn = redis.conn().await;
+    let publish = |base: &str, rate: &str| serde_json::json!({ "publish": { "base": base, "rate": rate, "ceiling": "5" } });
+    // The first change, made on no record, is the record.
+    let first = reserve(&mut conn, 0, publish("", "4.5")).await;
+    let v1 = first["shared"]["v"].as_str().unwrap().to_string();
+    assert_eq!(first["shared"]["rate"], "4.5");
+    // Two replicas change it, both on that version: the first wins, the second is
+    // dropped and answered the first's.
+    let second = reserve(&mut conn, 0, publish(&v1, "4.9")).await;
+    let v2 = second["shared"]["v"].as_str().unwrap().to_string();
+    assert!(v2.parse::<u64>().unwrap() > v1.parse::<u64>().unwrap());
+    let third = reserve(&mut conn, 0, publish(&v1, "4.05")).await;
+    assert_eq!(third["shared"]["rate"], "4.9");
+    assert_eq!(third["shared"]["v"], v2.as_str());
+    // A pause publishes as a booking does.
+    let request = serde_json::json!({
+        "pause_us": 1, "keep_us": 1000, "probe_ms": 1000, "ttl_ms": 600_000,
+        "publish": { "base": v2, "rate": "4.41", "ceiling": "4.9" },
+    });
+    run_script(&mut conn, PAUSE, &PAUSE_KEYS, 0, request).await;
+    let fourth = reserve(&mut conn, 0, serde_json::json!({})).await;
+    assert_eq!(fourth["shared"]["rate"], "4.41");
 }
 
 #[tokio::test]
 async fn one_replica_probes_for_the_group_and_the_others_wait_for_it() {
     let redis = RedisServer::start().await;
     let mut conn = redis.conn().await;
+    let probe = |id: &str, probing: bool| serde_json::json!({ "id": id, "probing": probing, "learned": false });
+    let answer = |a: &serde_json::Value| (a["paused"].as_f64().unwrap() > 0.0, a["probe"].clone());
     // The first to ask while its probe is on probes for the group; the others are held
-    // (a negative answer: the µs the probe lasts at least), a second at most.
-    assert_eq!(reserve(&mut conn, "a", true).await, (false, 1));
-    let (_, held) = reserve(&mut conn, "b", true).await;
-    assert!((-1_000_000..0).contains(&held), "{held}");
+    // (for the µs the probe lasts at least), a second at most.
+    let a = reserve(&mut conn, 0, probe("a", true)).await;
+    assert_eq!(answer(&a), (false, "group".into()));
+    let b = reserve(&mut conn, 0, probe("b", true)).await;
+    assert_eq!(b["probe"], "elsewhere");
+    let left = b["probe_left"].as_f64().unwrap();
+    assert!(left > 0.0 && left <= 1_000_000.0, "{b}");
     // A replica whose own probe is over is not held.
-    assert_eq!(reserve(&mut conn, "c", false).await, (false, 0));
-    assert_eq!(reserve(&mut conn, "a", true).await, (false, 1));
+    let c = reserve(&mut conn, 0, probe("c", false)).await;
+    assert_eq!(answer(&c), (false, "no".into()));
     // A refusal keeps them waiting through its pause and a probe's time after it.
     let before = redis_now(&mut conn).await;
-    pause(&mut conn, 1_000, "a:1").await;
+    pause(&mut conn, 1_000, Some("a:1")).await;
     let until = get(&mut conn, "HGET", &[&key("probe"), "until"]).await;
     assert!(until >= before + 1_000 + 1_000_000, "{until}");
     // Paused: nothing else is answered until the pause ends.
-    while reserve(&mut conn, "a", false).await.0 {
+    while answer(&reserve(&mut conn, 0, probe("a", false)).await).0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     // The prober booked with its own probe over: the group's is over, and so is that of
     // every replica that asks from now on, which books.
-    assert_eq!(reserve(&mut conn, "b", true).await, (false, 2));
-    assert_eq!(reserve(&mut conn, "d", true).await, (false, 2));
+    for id in ["b", "d"] {
+        let over = reserve(&mut conn, 0, probe(id, true)).await;
+        assert_eq!(answer(&over), (false, "over".into()));
+    }
     assert!(get(&mut conn, "HGET", &[&key("probe"), "until"]).await <= redis_now(&mut conn).await);
 }

@@ -9,7 +9,7 @@
 mod support;
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,19 +17,6 @@ use support::*;
 
 /// The nginx binary: on `PATH`, or where Debian puts it (root's `PATH` has it, other
 /// users' may not).
-fn nginx_binary() -> PathBuf {
-    let on_path = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|dir| dir.join("nginx"))
-        .find(|candidate| candidate.is_file());
-    let debian = PathBuf::from("/usr/sbin/nginx");
-    on_path
-        .or_else(|| debian.is_file().then_some(debian))
-        .expect("nginx is needed by this test: run scripts/test, or apt-get install nginx-light")
-}
-
 /// Two ports on 127.0.0.1 that were free a moment ago.
 fn free_ports() -> (u16, u16) {
     let a = TcpListener::bind("127.0.0.1:0").expect("bind");

@@ -127,9 +127,10 @@ pub struct GroupSettings {
     pub max_retries: u32,
     /// The longest pause an upstream can impose (and the cap of the fallback backoff).
     pub max_pause: Duration,
-    /// Halve the effective rate on each push-back and climb back when calm.
+    /// Asks for the pace to follow the upstream's push-back (docs/budget.md); every
+    /// group does, and the key stays for the configs that say so.
     pub adaptive: bool,
-    /// The floor of the adaptive rate.
+    /// The floor of the pace learned from push-back.
     pub min_rate: Option<Rate>,
     /// With the Redis backend: count in-flight requests across all replicas (leases in
     /// Redis) instead of per replica.

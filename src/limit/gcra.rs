@@ -38,6 +38,11 @@ impl Gcra {
         }
     }
 
+    /// Requests per second.
+    pub fn per_second(&self) -> f64 {
+        1.0 / self.interval.as_secs_f64().max(1e-9)
+    }
+
     /// This rate slowed down by `factor` (0 < factor ≤ 1), same burst.
     pub fn scaled(&self, factor: f64) -> Gcra {
         let burst_cells = self.tolerance.as_secs_f64() / self.interval.as_secs_f64();

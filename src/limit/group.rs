@@ -2,11 +2,11 @@
 //!
 //! A request joins the group's FIFO queue ([`super::queue`]). When it reaches the head
 //! it holds the turn and waits, in this order, for a pause to end ([`super::pause`]),
-//! for its slot ([`super::store`], [`super::rate`]) and for a concurrency permit
-//! ([`super::permits`]); a group told no rate also waits for its probe
-//! ([`super::probe`]). Then it departs (`Group::depart`, the one place a departure
-//! is recorded) and the turn goes to the next request. What the upstream's answers do
-//! to the group (a pause, the learned rate) is in `group/answers.rs`.
+//! for its slot ([`super::store`], [`super::rate`], and the announced window of
+//! [`super::budget`]) and for a concurrency permit ([`super::permits`]); a group told
+//! no rate also waits for its probe. Then it departs (`Group::depart`, the one place a
+//! departure is recorded) and the turn goes to the next request. What the upstream's
+//! answers do to the group (a pause, the budget it learns) is in `group/answers.rs`.
 //!
 //! When the head departs and the requests right behind it are due too (a backlog at a
 //! high rate, where tokio's millisecond timer wakes the head once for several slots), it
@@ -22,11 +22,9 @@ use tokio::time::Instant;
 
 mod answers;
 
-use super::adaptive::Adaptive;
-use super::learn::{Learner, Source};
+use super::budget::{self, Budget, Params};
 use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
-use super::probe::Probe;
 use super::queue::{Place, Queue};
 use super::rate::Rates;
 use super::store::{Slot, Store, RECHECK_AHEAD, RECHECK_BEFORE};
@@ -81,12 +79,13 @@ pub(super) struct State {
     pub(super) queue: Queue,
     pub(super) rates: Rates,
     pub(super) pause: Pause,
-    adaptive: Adaptive,
-    pub(super) probe: Probe,
-    pub(super) learner: Learner,
-    /// The learned state changed here and the shared store has not been told yet: the
-    /// next booking publishes it (a step down goes out with its pause too).
+    pub(super) budget: Budget,
+    /// The pace changed here and the shared store has not been told yet: the next
+    /// booking (or pause) publishes it.
     pub(super) publish: bool,
+    /// The version of the shared controller this replica's pace is based on (the
+    /// Redis clock at its last change; empty: none).
+    pub(super) version: String,
 }
 
 /// A snapshot of a group for the admin `/status` page.
@@ -100,16 +99,11 @@ pub struct GroupStatus {
     pub in_flight: usize,
     /// Seconds until the upstream's pause ends, if paused.
     pub paused_for_seconds: Option<f64>,
-    /// The rates in force, in requests per second (slower than configured while an
-    /// adaptive group is backing off); empty when the group has no rate.
+    /// The configured rates, in requests per second; empty when the group has none.
     pub effective_rates_per_second: Vec<f64>,
-    /// The rate learned from the upstream, in requests per second, which the group
-    /// keeps to as well (it matters where it is slower than the configured rates).
-    pub learned_rate_per_second: Option<f64>,
-    /// Where the learned rate comes from.
-    pub learned_from: Option<Source>,
-    /// Whether the group, told no rate, is still probing ([`super::probe`]).
-    pub probing: bool,
+    /// What the group learned of its upstream's budget (docs/budget.md).
+    #[serde(flatten)]
+    pub budget: budget::Status,
 }
 
 impl Group {
@@ -134,10 +128,13 @@ impl Group {
                 queue: Queue::default(),
                 rates: Rates::new(&settings, now),
                 pause: Pause::default(),
-                adaptive: Adaptive::new(&settings, now),
-                probe: Probe::new(!settings.rates.is_empty()),
-                learner: Learner::new(now),
+                budget: Budget::new(
+                    Params::default(),
+                    !settings.rates.is_empty(),
+                    floor(&settings),
+                ),
                 publish: false,
+                version: String::new(),
             }),
             store,
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -157,17 +154,10 @@ impl Group {
         let now = Instant::now();
         let mut state = self.lock();
         state.rates.reconfigure(&settings, now);
-        let old = self.settings.load();
-        if (old.adaptive, old.min_rate, &old.rates)
-            != (settings.adaptive, settings.min_rate, &settings.rates)
-        {
-            state.adaptive = Adaptive::new(&settings, now);
-            let factor = state.adaptive.factor();
-            state.rates.set_factor(factor);
-        }
-        if !settings.rates.is_empty() {
-            state.probe.end();
-        }
+        let has_rate = !settings.rates.is_empty();
+        state.budget.reconfigure(has_rate, floor(&settings));
+        let pace = state.budget.pace();
+        state.rates.set_learned(pace);
         self.permits.resize(settings.concurrency);
         self.settings.store(Arc::new(settings));
         drop(state);
@@ -245,7 +235,8 @@ impl Group {
         let now = Instant::now();
         let open = state.queue.is_empty()
             && state.pause.until(now).is_none()
-            && state.probe.holds(now).is_none()
+            && state.budget.probe_holds(now).is_none()
+            && state.budget.opens(now, false).is_none()
             && state.rates.earliest(1.0, now) <= now;
         if !open {
             return None;
@@ -293,7 +284,7 @@ impl Group {
             let now = Instant::now();
             let (paused, probed) = {
                 let state = self.lock();
-                (state.pause.until(now), state.probe.holds(now))
+                (state.pause.until(now), state.budget.probe_holds(now))
             };
             if let Some(until) = paused {
                 if place.deadline.is_some_and(|deadline| until > deadline) {
@@ -370,18 +361,11 @@ impl Group {
         }
     }
 
-    /// The head departs: counted in the local rates (unless the shared store booked
-    /// it), the adaptive rate climbs if calm, and the requests behind it whose slots
-    /// have come leave with it.
+    /// The head departs: counted in the budget and the local rates (unless the shared
+    /// store booked it), and the requests behind it whose slots have come leave with it.
     fn depart(&self, state: &mut State, booked: bool, ready: Instant, cost: u32) {
         let now = Instant::now();
-        state.probe.departed(now);
-        if state.adaptive.departed(now) {
-            state.rates.set_factor(state.adaptive.factor());
-        }
-        if state.learner.departed(now) {
-            self.relearn(state);
-        }
+        state.budget.departed(now);
         if booked {
             return;
         }
@@ -395,7 +379,8 @@ impl Group {
             return;
         }
         while let Some((cost, joined)) = state.queue.front() {
-            if state.probe.holds(now).is_some() {
+            let budget = &state.budget;
+            if budget.probe_holds(now).is_some() || budget.opens(now, false).is_some() {
                 return;
             }
             let Some(held) = self.permits.try_now() else {
@@ -407,7 +392,7 @@ impl Group {
             if state.queue.release_front(held).is_err() {
                 return;
             }
-            state.probe.departed(now);
+            state.budget.departed(now);
             after = slot;
         }
     }
@@ -422,9 +407,7 @@ impl Group {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             paused_for_seconds: state.pause.until(now).map(|p| (p - now).as_secs_f64()),
             effective_rates_per_second: state.rates.per_second(),
-            learned_rate_per_second: state.learner.rate().map(|(rate, _)| rate),
-            learned_from: state.learner.rate().map(|(_, source)| source),
-            probing: state.probe.is_on(now),
+            budget: state.budget.status(now),
         }
     }
 
@@ -468,6 +451,11 @@ impl Group {
     }
 }
 
+/// The least pace the controller may set, per second: `min_rate`, else none.
+fn floor(settings: &GroupSettings) -> f64 {
+    settings.min_rate.map_or(0.0, |r| r.per_second())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -487,7 +475,7 @@ mod tests {
         let g = probing_group(settings);
         // These tests drive admission without answers: the probe, which waits for
         // answers, has tests of its own.
-        g.lock().probe.end();
+        g.lock().budget.end_probe();
         g
     }
 
@@ -609,14 +597,14 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
             let sent = waiting.iter().filter(|w| w.is_finished()).count();
             assert_eq!(sent, window);
-            assert!(g.status().probing);
+            assert_eq!(g.status().budget.phase, budget::Phase::Probing);
             for _ in 0..answers {
-                g.calm();
+                g.accepted(start);
             }
         }
         waiting.pop().unwrap().await.unwrap();
-        assert_eq!(start.elapsed(), super::super::probe::PROBE_FOR);
-        assert!(!g.status().probing);
+        assert_eq!(start.elapsed(), Params::DEFAULT.probe_for);
+        assert_eq!(g.status().budget.phase, budget::Phase::Open);
     }
 
     #[tokio::test(start_paused = true)]
@@ -833,13 +821,14 @@ mod tests {
     async fn after_a_refusal_an_unlimited_group_replays_at_the_learned_pace() {
         let g = group("unlimited", |_| {});
         // The upstream accepted five and refused the rest with a 1 s pause.
+        let sent = Instant::now();
         for _ in 0..5 {
-            g.calm();
+            g.accepted(sent);
         }
-        g.push_back(Duration::from_secs(1), true, Instant::now());
-        let status = g.status();
-        assert_eq!(status.learned_from, Some(Source::Refusals));
-        let rate = status.learned_rate_per_second.unwrap();
+        g.push_back(Duration::from_secs(1), true, sent);
+        let status = g.status().budget;
+        assert_eq!(status.phase, budget::Phase::Paced);
+        let rate = status.pace_per_second.unwrap();
         assert!((4.9..=5.0).contains(&rate), "{rate}");
         let out = run(&g, 4, Duration::ZERO).await;
         let times: Vec<u128> = out.iter().map(|(_, t)| *t).collect();
@@ -951,21 +940,26 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn adaptive_halves_once_per_episode_and_climbs_back_when_calm() {
-        let g = group("100/s", |s| s.adaptive = true);
-        let rate = |g: &Group| g.status().effective_rates_per_second[0].round();
-        g.push_back(Duration::ZERO, true, Instant::now());
-        g.push_back(Duration::ZERO, true, Instant::now()); // same episode: no second halving
-        assert_eq!(rate(&g), 50.0);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        g.push_back(Duration::ZERO, true, Instant::now());
-        assert_eq!(rate(&g), 25.0);
-        for _ in 0..5 {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let now = Instant::now();
-            drop(g.admit(1, now, false).await.unwrap());
+    async fn a_refusal_steps_the_pace_once_per_episode_and_a_calm_round_climbs_back() {
+        let g = group("100/s", |_| {});
+        let pace = |g: &Group| g.status().budget.pace_per_second.map(f64::round);
+        let sent = Instant::now();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        g.push_back(Duration::ZERO, true, sent);
+        // The same episode: its requests left before the step.
+        g.push_back(Duration::ZERO, true, sent);
+        assert_eq!(pace(&g), Some(90.0));
+        // Answers to requests that left under the new pace make a calm round: back to a
+        // margin under the pace refused.
+        let mut left = Vec::new();
+        for _ in 0..Params::DEFAULT.calm {
+            let permit = g.admit(1, Instant::now(), false).await.unwrap();
+            left.push(Instant::now());
+            drop(permit);
         }
-        // Five calm seconds with traffic: +5 % of 100/s each.
-        assert_eq!(rate(&g), 50.0);
+        for at in left {
+            g.accepted(at);
+        }
+        assert_eq!(pace(&g), Some(98.0));
     }
 }

@@ -7,22 +7,19 @@
 //! * [`pause`] — the upstream's pause;
 //! * [`store`] — where the budget lives: [`rate`] in this process, [`redis`] shared;
 //! * [`gcra`] — the rate decision, pure;
-//! * [`adaptive`] — the adaptive rate (AIMD), pure;
-//! * [`permits`] — concurrency permits;
-//! * [`probe`] — the first requests of a group told no rate, pure;
-//! * [`learn`] — the budget learned from the upstream, pure.
+//! * [`budget`] — what the group learns of its upstream's budget (docs/budget.md):
+//!   the probe, the announced window and the controller of its pace, pure;
+//! * [`permits`] — concurrency permits.
 //!
 //! Hosts listed in a `[[limit]]` share that group. Any other host gets a group of its
 //! own, built from `[defaults]` when first seen and evicted when idle, so memory follows
 //! the hosts in use, not every host ever seen.
 
-pub mod adaptive;
+pub mod budget;
 pub mod gcra;
 pub mod group;
-pub mod learn;
 pub mod pause;
 pub mod permits;
-pub mod probe;
 pub mod queue;
 pub mod rate;
 pub mod redis;

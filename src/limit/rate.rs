@@ -1,8 +1,8 @@
 //! A group's rate state in this process: the rates in force and one TAT per rate.
 //!
 //! The arithmetic is [`super::gcra`]'s; this adds the clock (TATs are offsets from the
-//! group's epoch, so tests can pause tokio's time), the adaptive factor and the share
-//! of a replica whose shared store is down. It serves the memory store, and the Redis
+//! group's epoch, so tests can pause tokio's time), the pace the group learned
+//! ([`super::budget`]) and the share of a replica whose shared store is down. It serves the memory store, and the Redis
 //! store's fallback while Redis does not answer.
 
 use std::borrow::Cow;
@@ -25,12 +25,10 @@ pub const SLOT_CREDIT: Duration = Duration::from_millis(10);
 pub struct Rates {
     /// The configured rates (empty: no rate limit).
     configured: Vec<Gcra>,
-    /// The rates in force: the configured ones, slower while an adaptive group backs off,
-    /// then the learned one if any.
+    /// The rates in force: the configured ones, then the learned pace if any.
     in_force: Vec<Gcra>,
-    /// The rate learned from the upstream ([`super::learn`]), burst 1.
+    /// The pace learned from the upstream ([`super::budget`]), burst 1.
     learned: Option<Gcra>,
-    factor: f64,
     /// One TAT per configured rate and one for the learned rate, as an offset from
     /// `epoch`.
     tats: Vec<Duration>,
@@ -50,7 +48,6 @@ impl Rates {
             in_force: configured.clone(),
             configured,
             learned: None,
-            factor: 1.0,
             epoch,
         }
     }
@@ -76,22 +73,14 @@ impl Rates {
             let owed = new.interval.as_secs_f64() * requests;
             next.tats[i] = since + Duration::from_secs_f64(owed.min(366.0 * 86_400.0));
         }
-        // The learned rate, its TAT and the adaptive factor are the upstream's doing,
-        // not the file's: kept.
+        // The learned pace and its TAT are the upstream's doing, not the file's: kept.
         let learned_tat = self.tats.last().copied().unwrap_or_default();
         if let Some(tat) = next.tats.last_mut() {
             *tat = learned_tat;
         }
         next.learned = self.learned;
-        next.factor = self.factor;
         next.update();
         *self = next;
-    }
-
-    /// The rates in force become the configured ones times `factor` (0 < factor ≤ 1).
-    pub fn set_factor(&mut self, factor: f64) {
-        self.factor = factor;
-        self.update();
     }
 
     /// The group also keeps to `per_second`, learned from the upstream (`None`: nothing
@@ -104,8 +93,7 @@ impl Rates {
     }
 
     fn update(&mut self) {
-        let factor = self.factor;
-        self.in_force = self.configured.iter().map(|r| r.scaled(factor)).collect();
+        self.in_force.clone_from(&self.configured);
         self.in_force.extend(self.learned);
     }
 
@@ -115,18 +103,25 @@ impl Rates {
         self.in_force.iter().map(|r| r.interval).max()
     }
 
-    /// The configured rates in force, without the learned one (which the Redis store
-    /// shares among the replicas itself).
-    pub fn configured_in_force(&self) -> &[Gcra] {
-        &self.in_force[..self.configured.len()]
+    /// The configured rates, without the learned pace (which the Redis store books
+    /// for every replica from the shared controller).
+    pub fn configured(&self) -> &[Gcra] {
+        &self.configured
     }
 
-    /// The configured rates in force, in requests per second.
+    /// The configured rates, in requests per second.
     pub fn per_second(&self) -> Vec<f64> {
-        self.in_force[..self.configured.len()]
-            .iter()
-            .map(|r| 1.0 / r.interval.as_secs_f64())
-            .collect()
+        self.configured.iter().map(Gcra::per_second).collect()
+    }
+
+    /// The slowest configured rate, per second.
+    pub fn configured_pace(&self) -> Option<f64> {
+        self.per_second().into_iter().reduce(f64::min)
+    }
+
+    /// The slowest rate in force, learned pace included, per second.
+    pub fn slowest(&self) -> Option<f64> {
+        self.pace().map(|p| 1.0 / p.as_secs_f64().max(1e-9))
     }
 
     fn since_epoch(&self, at: Instant) -> Duration {

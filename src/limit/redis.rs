@@ -5,14 +5,18 @@
 //! clock (`TIME`), so the replicas' clocks never matter:
 //!
 //! * [`Redis::reserve`] books the next slot of a group's rates (the same GCRA as
-//!   [`super::gcra`], in microseconds) and answers how long to wait for it — one round
-//!   trip per request (two when the slot is [`RECHECK_AHEAD`] or more ahead:
-//!   [`Redis::recheck`]), no polling (but while another replica probes a new group's
-//!   upstream, [`Probing`]). The group's pause is part of the same decision.
+//!   [`super::gcra`], in microseconds), its shared pace and its announced window, and
+//!   answers how long to wait for it — one round trip per request (two when the slot
+//!   is [`RECHECK_AHEAD`](super::store::RECHECK_AHEAD) or more ahead: [`Redis::recheck`]), no polling (but while
+//!   another replica probes a new group's upstream, [`Probing`]). The group's pause
+//!   and the shared controller's record ([`super::budget`]) are part of the same
+//!   decision.
 //! * [`Redis::pause`] records an upstream's push-back for every replica.
 //! * [`Redis::try_lease`] takes one of a group's concurrency leases (`shared_concurrency
 //!   = true`). Leases expire unless renewed, so a replica that crashes returns its share
 //!   within [`LEASE_TTL`].
+//!
+//! Each script takes one JSON document and answers one ([`protocol`]).
 //!
 //! Keys are `<prefix>{<group>}:...` (the braces keep a group's keys in one Redis Cluster
 //! slot) and expire when idle.
@@ -32,17 +36,17 @@ use std::time::Duration;
 use prometheus_client::metrics::gauge::Gauge;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
-use redis::{IntoConnectionInfo, Script, ScriptInvocation};
+use redis::{IntoConnectionInfo, Script};
 
+use super::budget::Params;
 use super::gcra::Gcra;
-use super::learn::{Precedence, Shared, Source, COUNTED, HORIZON};
-use super::probe::PROBE_FOR;
-use super::store::RECHECK_AHEAD;
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
 mod lease;
+pub mod protocol;
 pub use lease::Lease;
+use protocol::{micros, Publish, Rechecked, Record, Reserve, Reserved};
 
 /// How long a concurrency lease lives without renewal.
 pub const LEASE_TTL: Duration = Duration::from_secs(10);
@@ -52,70 +56,30 @@ const HEARTBEAT: Duration = Duration::from_secs(2);
 const REPLICA_TTL: Duration = Duration::from_secs(10);
 /// How often a store that is down is probed.
 const PROBE: Duration = Duration::from_millis(500);
-/// How long a group's learned rate stays in Redis after its last booking: the
-/// replicas keep theirs in memory meanwhile, and publish it again when it is gone.
-const LEARNED_TTL: Duration = Duration::from_secs(600);
+/// How long a group's records (its shared pace, its probe) stay in Redis after its last
+/// booking: the replicas keep theirs in memory meanwhile, and publish again when gone.
+const RECORD_TTL: Duration = Duration::from_secs(600);
+/// How long the group's refusals are kept for [`Redis::recheck`]: longer than any slot
+/// is booked ahead of its time, at the rates slots are checked again at all.
+const REFUSALS_KEPT: Duration = Duration::from_secs(60);
 
-/// Books the next slot, and publishes a learned state (`publication`).
-///
-/// KEYS: the pause key, the learned hash, the learned rate's TAT, the booked set, the
-/// refused set ([`PAUSE`]), the probe ([`Probing`]: the prober's id, until when), then
-/// one TAT key per rate.
-/// ARGV: the publication; the cost; the window to count the group's bookings over, in
-/// µs (0: none), and the most bookings kept for that; this replica's id, whether its
-/// probe is on (`1`), and how long a probe lasts at most, in ms; then the interval and
-/// tolerance of each rate, in µs. Returns the µs to wait, the µs of pause left (≤ 0
-/// when not paused), the learned base, factor and source in force (nil when none), the
-/// bookings within the window before this one's departure, this one included (0 when
-/// not counted, or when there were too many to count), the refusals within the window
-/// before now, now (in µs on Redis's clock), and the probe: 1 when this replica probes
-/// for the group, 2 when the group's probe is over (this replica's is too), minus the
-/// µs it lasts at least while another replica's is on (nothing booked).
+/// Books the next slot ([`protocol::Reserve`], [`protocol::Reserved`]). KEYS:
+/// [`RESERVE_KEYS`], then one TAT per configured rate.
 pub const RESERVE: &str = concat!(
-    include_str!("redis/publish.lua"),
+    include_str!("redis/budget.lua"),
     include_str!("redis/reserve.lua")
 );
 
-/// Whether a slot booked at a time (µs on Redis's clock) still holds when it comes.
-/// KEYS: the pause key, the refused set ([`PAUSE`]). ARGV: the booking's time. Returns
-/// the µs of pause left (≤ 0 when not paused) and the refusals recorded since the
-/// booking.
+/// Whether a slot booked at a time still holds when it comes ([`protocol::Rechecked`]).
+/// KEYS: the pause key, the refused set.
 const RECHECK: &str = include_str!("redis/recheck.lua");
 
-/// Extends the group's pause and, for the upstream's refusal, records it: the group's
-/// refusals, which a replica sees a share of, are counted here for every replica. The
-/// step down a refusal taught is published at once (`publication`), before more
-/// requests are booked at the pace refused.
-/// A refusal also restarts the learned rate's chain of slots after those booked less
-/// than [`RECHECK_AHEAD`] ahead: the others are checked again and left unused.
-/// KEYS: the pause key, the refused set, the learned hash, the probe, the learned
-/// rate's TAT. ARGV: the publication; the pause in µs; the refusal's id (empty: not a
-/// refusal), how long refusals are kept, in µs, and the most kept; how long a probe
-/// lasts at most, in ms (a refusal keeps the probe's replica the prober until its pause
-/// has ended and it has published what it learned); [`RECHECK_AHEAD`] in µs.
+/// Extends the group's pause and records a refusal ([`protocol::Pause`]). KEYS:
+/// [`PAUSE_KEYS`].
 pub const PAUSE: &str = concat!(
-    include_str!("redis/publish.lua"),
+    include_str!("redis/budget.lua"),
     include_str!("redis/pause.lua")
 );
-
-/// Adds the first arguments of [`RESERVE`] and [`PAUSE`] to `call`, which publish a
-/// learned state (`redis/publish.lua`): its interval in µs (empty when there is nothing
-/// to publish), base, factor and source; how long the learned hash lives, in ms; and
-/// its [`Precedence`]. A state published less than a second before holds against a
-/// faster one that ranks [`Precedence::Slower`], and against a slower one that ranks
-/// [`Precedence::Faster`].
-fn publication(call: &mut ScriptInvocation, learned: &Publication) {
-    match learned.publish {
-        Some((shared, interval)) => call
-            .arg(interval.as_micros().max(1) as u64)
-            .arg(shared.base.to_string())
-            .arg(shared.factor.to_string())
-            .arg(shared.source.as_str()),
-        None => call.arg("").arg("").arg("").arg(""),
-    };
-    call.arg(LEARNED_TTL.as_millis() as u64)
-        .arg(learned.precedence.code());
-}
 
 /// Takes a lease if fewer than the limit are live. KEYS: the lease set. ARGV: lease id,
 /// limit, lease ms. Returns 1 if taken.
@@ -126,70 +90,32 @@ const LEASE: &str = include_str!("redis/lease.lua");
 /// Returns the number of live replicas.
 const HEARTBEAT_SCRIPT: &str = include_str!("redis/heartbeat.lua");
 
-/// The answer of [`RESERVE`].
-pub type ReserveAnswer = (
-    i64,
-    i64,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    i64,
-    i64,
-    i64,
-    i64,
-);
-
 /// The keys of [`RESERVE`] before the rates' TATs, in order, each under the group's
 /// prefix (`Redis::key`).
-pub const RESERVE_KEYS: [&str; 6] = [
-    "pause",
-    "learned",
-    "rate:learned",
-    "booked",
-    "refused",
-    "probe",
-];
+pub const RESERVE_KEYS: [&str; 5] = ["pause", "budget", "rate:learned", "booked", "probe"];
 /// The keys of [`PAUSE`], in order, alike.
-pub const PAUSE_KEYS: [&str; 5] = ["pause", "refused", "learned", "probe", "rate:learned"];
-
-/// The learned state read back from Redis; `None` when absent or not understood (a
-/// replica of another version, say).
-fn shared(base: Option<String>, factor: Option<String>, source: Option<String>) -> Option<Shared> {
-    let shared = Shared {
-        base: base?.parse().ok()?,
-        factor: factor?.parse().ok()?,
-        source: Source::parse(&source?)?,
-    };
-    let valid = |x: f64| x.is_finite() && x > 0.0;
-    (valid(shared.base) && valid(shared.factor)).then_some(shared)
-}
+pub const PAUSE_KEYS: [&str; 4] = ["pause", "refused", "budget", "probe"];
 
 /// A booked slot.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Reservation {
     /// How long until the request may leave.
     pub wait: Duration,
     /// How long the group stays paused (by any replica's push-back), if it is: then
     /// nothing was booked.
     pub paused_for: Option<Duration>,
-    /// The learned rate every replica books against, if one was published.
-    pub learned: Option<Shared>,
-    /// The group's bookings within the counted window before this one's departure,
-    /// this one included (0 when not counted).
-    pub booked_in_window: u64,
-    /// The group's refusals within the counted window before the booking.
-    pub refused_in_window: u64,
+    /// The shared controller's record in force, if any replica published one.
+    pub shared: Option<Record>,
     /// When it was booked, in µs on Redis's clock ([`Redis::recheck`]).
     pub at: u64,
     /// Who probes the group's upstream.
     pub probing: Probing,
 }
 
-/// Who probes the upstream of a group that has no rate yet ([`super::probe`]). With
-/// replicas, one probes for the group (the first to book while its probe is on) and the
-/// others wait for what it learns: one request, not one per replica, meets the
-/// upstream first, and the answers of the probe, which a first rate is read from, are
-/// the group's, not a share of them.
+/// Who probes the upstream of a group that has learned nothing yet ([`super::budget`]).
+/// With replicas, one probes for the group (the first to book while its probe is on)
+/// and the others wait for what it learns: one request, not one per replica, meets the
+/// upstream first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probing {
     /// Nobody, as far as this booking goes.
@@ -203,24 +129,19 @@ pub enum Probing {
     Elsewhere(Duration),
 }
 
-/// What a booking tells the store about the group's learning.
-#[derive(Debug, Clone, Copy)]
-pub struct Learning {
-    /// The learned state to publish.
-    pub publication: Publication,
-    /// The window to count the group's bookings over.
-    pub window: Option<Duration>,
+/// What a booking tells the store besides the rates.
+#[derive(Debug, Clone, Default)]
+pub struct Booking {
+    /// The pace's interval, if the group keeps one.
+    pub pace: Option<Duration>,
+    /// The announced window: its quota and span, counted over every replica.
+    pub window: Option<(u64, Duration)>,
+    /// A change of the shared controller to publish.
+    pub publish: Option<Publish>,
     /// Whether this replica's probe is on ([`Probing`]).
     pub probing: bool,
-}
-
-/// A learned state a replica publishes (`publication`).
-#[derive(Debug, Clone, Copy)]
-pub struct Publication {
-    /// The state, with the interval to book it at; `None`: nothing new to publish.
-    pub publish: Option<(Shared, Duration)>,
-    /// How it ranks against one published just before.
-    pub precedence: Precedence,
+    /// Whether this replica learned anything of the upstream.
+    pub learned: bool,
 }
 
 /// The connection to Redis and what this replica knows about it.
@@ -314,63 +235,69 @@ impl Redis {
             .max(1)
     }
 
-    /// Books the next slot of `group` for a request of `cost` under `rates` and the
-    /// learned rate shared in Redis (publishing `learning.publication` first). `None` when
-    /// Redis is down (or just failed): the caller limits locally.
+    /// Books the next slot of `group` for a request of `cost` under `rates` and what
+    /// `booking` adds. `None` when Redis is down (or just failed): the caller limits
+    /// locally.
     pub async fn reserve(
         &self,
         group: &str,
         rates: &[Gcra],
         cost: u32,
-        learning: Learning,
+        booking: Booking,
     ) -> Option<Reservation> {
         if !self.is_up() {
             return None;
         }
         let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
-        let fixed_keys = RESERVE_KEYS.map(|k| self.key(group, k));
-        let id = self.id.clone();
-        let rate_keys: Vec<(String, u64, u64)> = rates
+        let keys: Vec<String> = RESERVE_KEYS
             .iter()
-            .enumerate()
-            .map(|(i, rate)| {
-                let key = self.key(group, &format!("rate:{i}"));
-                let interval = rate.interval.as_micros() as u64;
-                (key, interval, rate.tolerance.as_micros() as u64)
-            })
+            .map(|k| self.key(group, k))
+            .chain((0..rates.len()).map(|i| self.key(group, &format!("rate:{i}"))))
             .collect();
-        let booked = self.call(async move {
-            let mut call = script.prepare_invoke();
-            for key in fixed_keys {
-                call.key(key);
+        let us = |d: Duration| d.as_micros() as u64;
+        let request = Reserve {
+            cost,
+            rates: rates
+                .iter()
+                .map(|r| [us(r.interval), us(r.tolerance)])
+                .collect(),
+            pace: booking.pace.map_or(0, |p| us(p).max(1)),
+            window: booking.window.map(|(quota, span)| [quota.max(1), us(span)]),
+            id: &self.id,
+            probing: booking.probing,
+            learned: booking.learned,
+            probe_ms: Params::DEFAULT.probe_for.as_millis() as u64,
+            ttl_ms: RECORD_TTL.as_millis() as u64,
+            publish: booking.publish,
+        };
+        let request = serde_json::to_string(&request).ok()?;
+        let answer: String = self
+            .call(async move {
+                let mut call = script.prepare_invoke();
+                for key in keys {
+                    call.key(key);
+                }
+                call.arg(request).invoke_async(&mut conn).await
+            })
+            .await?;
+        let answer: Reserved = match serde_json::from_str(&answer) {
+            Ok(answer) => answer,
+            Err(e) => {
+                self.failed(&format!("reserve.lua answered {answer:?}: {e}"));
+                return None;
             }
-            publication(&mut call, &learning.publication);
-            call.arg(cost)
-                .arg(learning.window.map_or(0, |w| w.as_micros() as u64))
-                .arg(COUNTED)
-                .arg(id)
-                .arg(u8::from(learning.probing))
-                .arg(PROBE_FOR.as_millis() as u64);
-            for (key, interval, tolerance) in rate_keys {
-                call.key(key).arg(interval).arg(tolerance);
-            }
-            call.invoke_async::<ReserveAnswer>(&mut conn).await
-        });
-        let (wait, paused, base, factor, source, booked, refused, at, probe) = booked.await?;
-        let micros = |us: i64| Duration::from_micros(us.max(0) as u64);
-        let probing = match probe {
-            1 => Probing::ForGroup,
-            2 => Probing::Over,
-            left if left < 0 => Probing::Elsewhere(micros(-left)),
+        };
+        let probing = match answer.probe.as_str() {
+            "group" => Probing::ForGroup,
+            "over" => Probing::Over,
+            "elsewhere" => Probing::Elsewhere(micros(answer.probe_left)),
             _ => Probing::No,
         };
         Some(Reservation {
-            wait: micros(wait),
-            paused_for: (paused > 0).then(|| micros(paused)),
-            learned: shared(base, factor, source),
-            booked_in_window: booked.max(0) as u64,
-            refused_in_window: refused.max(0) as u64,
-            at: at.max(0) as u64,
+            wait: micros(answer.wait),
+            paused_for: (answer.paused > 0.0).then(|| micros(answer.paused)),
+            shared: answer.shared,
+            at: answer.stamp.parse().unwrap_or(0),
             probing,
         })
     }
@@ -385,45 +312,55 @@ impl Redis {
         }
         let (script, mut conn) = (self.recheck.clone(), self.conn.clone());
         let keys = [self.key(group, "pause"), self.key(group, "refused")];
-        let (paused, refused): (i64, i64) = self
+        let answer: String = self
             .call(async move {
                 let mut call = script.prepare_invoke();
                 call.key(&keys[0]).key(&keys[1]).arg(at);
                 call.invoke_async(&mut conn).await
             })
             .await?;
-        let paused = (paused > 0).then(|| Duration::from_micros(paused as u64));
-        Some((paused, refused > 0))
+        let answer: Rechecked = serde_json::from_str(&answer).ok()?;
+        let paused = (answer.paused > 0.0).then(|| micros(answer.paused));
+        Some((paused, answer.refused > 0))
     }
 
     /// Pauses `group` on every replica for `pause` (counted on Redis's clock);
-    /// `refusal`: the upstream refused a request, which the group's count keeps.
-    pub async fn pause(&self, group: &str, pause: Duration, refusal: bool, learned: Publication) {
+    /// `refusal`: the upstream refused a request, which the group's record keeps.
+    /// Publishes this replica's change of the shared pace, if any.
+    pub async fn pause(
+        &self,
+        group: &str,
+        pause: Duration,
+        refusal: bool,
+        publish: Option<Publish>,
+    ) {
         if !self.is_up() {
             return;
         }
         let (script, mut conn) = (self.pause.clone(), self.conn.clone());
         let keys = PAUSE_KEYS.map(|k| self.key(group, k));
-        let id = match refusal {
-            true => format!(
-                "{}:{}",
-                self.id,
-                self.next_lease.fetch_add(1, Ordering::Relaxed)
-            ),
-            false => String::new(),
+        let refusal = refusal.then(|| {
+            let n = self.next_lease.fetch_add(1, Ordering::Relaxed);
+            format!("{}:{n}", self.id)
+        });
+        let request = protocol::Pause {
+            pause_us: pause.as_micros() as u64,
+            refusal,
+            keep_us: REFUSALS_KEPT.as_micros() as u64,
+            probe_ms: Params::DEFAULT.probe_for.as_millis() as u64,
+            ttl_ms: RECORD_TTL.as_millis() as u64,
+            publish,
         };
-        let _: Option<i64> = self
+        let Ok(request) = serde_json::to_string(&request) else {
+            return;
+        };
+        let _: Option<String> = self
             .call(async move {
                 let mut call = script.prepare_invoke();
                 for key in keys {
                     call.key(key);
                 }
-                publication(&mut call, &learned);
-                call.arg(pause.as_micros() as u64);
-                call.arg(id).arg(HORIZON.as_micros() as u64).arg(COUNTED);
-                call.arg(PROBE_FOR.as_millis() as u64);
-                call.arg(RECHECK_AHEAD.as_micros() as u64);
-                call.invoke_async(&mut conn).await
+                call.arg(request).invoke_async(&mut conn).await
             })
             .await;
     }
@@ -557,25 +494,6 @@ fn replica_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_learned_state_is_read_back_only_when_whole_and_sane() {
-        let s = |x: &str| Some(x.to_string());
-        let read = |b: &str, f: &str, src: &str| shared(s(b), s(f), s(src));
-        assert_eq!(
-            read("5", "0.95", "refusals"),
-            Some(Shared {
-                base: 5.0,
-                factor: 0.95,
-                source: Source::Refusals
-            })
-        );
-        assert_eq!(read("5", "1", "tea-leaves"), None);
-        assert_eq!(read("NaN", "1", "refusals"), None);
-        assert_eq!(read("5", "0", "refusals"), None);
-        assert_eq!(read("", "1", "refusals"), None);
-        assert_eq!(shared(None, s("1"), s("refusals")), None);
-    }
 
     #[test]
     fn a_url_is_shown_without_its_password() {

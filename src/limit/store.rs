@@ -6,8 +6,9 @@
 //! Redis store books the slot atomically in Redis, one round trip, and has nothing to
 //! record afterwards; while Redis does not answer it falls back to the local rates at
 //! this replica's share (`on_backend_error = "local"`) or refuses (`"deny"`). A Redis
-//! booking also carries the group's learning: it publishes what this replica learned
-//! and answers the learned state every replica books against, which this one adopts.
+//! booking also carries the group's budget: the window's departures are counted for
+//! every replica, a change of the pace made here is published, and the shared
+//! controller's record in force comes back, which this replica adopts.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,8 +16,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::group::State;
-use super::learn::{Counted, Precedence};
-use super::redis::{Learning, Probing, Publication, Redis, Reservation};
+use super::redis::protocol::Publish;
+use super::redis::{Booking, Probing, Redis, Reservation};
 use super::{Group, Refusal};
 use crate::config::OnBackendError;
 
@@ -99,26 +100,25 @@ impl Store {
         if let Store::Redis(redis) = self {
             // Booked a little under the rates: replicas wake up and send with a jitter
             // of their own, and a strict upstream refuses two requests closer than its
-            // interval, whichever replica sent them. The learned rate is the group's,
-            // kept in Redis: published by the replica that learned it.
-            let (rates, learning) = {
+            // interval, whichever replica sent them.
+            let (rates, booking) = {
                 let mut state = group.lock();
                 let rates: Vec<_> = state
                     .rates
-                    .configured_in_force()
+                    .configured()
                     .iter()
                     .map(|r| r.scaled(shared_factor(r.interval)))
                     .collect();
-                (rates, state.learning())
+                (rates, state.booking(now))
             };
             // Boxed: the round trip's state is large, and inline it would size every
             // waiting request's future, with the memory store too.
-            let booked = Box::pin(redis.reserve(&group.name, &rates, cost, learning)).await;
+            let published = booking.publish.clone();
+            let booked = Box::pin(redis.reserve(&group.name, &rates, cost, booking)).await;
             // Counted from when the answer came, not from `now`: the round trip is
             // part of the wait.
             let answered = Instant::now();
-            let slot = answered + booked.as_ref().map_or(Duration::ZERO, |b| b.wait);
-            group.shared_learning(booked.as_ref(), learning, slot);
+            group.shared_budget(booked.as_ref(), published);
             if let Some(booking) = booked {
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: requests already waiting here
@@ -130,7 +130,7 @@ impl Store {
                     return Ok(Slot::Probing(answered + left.min(PROBE_POLL)));
                 }
                 return Ok(Slot::Booked {
-                    at: slot,
+                    at: answered + booking.wait,
                     stamp: booking.at,
                 });
             }
@@ -139,7 +139,12 @@ impl Store {
             }
         }
         let share = self.local_share();
-        Ok(Slot::Local(group.lock().rates.earliest(share, now)))
+        let state = group.lock();
+        let shared = !matches!(self, Store::Memory);
+        let at = state.rates.earliest(share, now);
+        Ok(Slot::Local(
+            state.budget.opens(now, shared).map_or(at, |w| w.max(at)),
+        ))
     }
 
     /// Whether a slot booked at `stamp` in the shared store, about to come, still holds:
@@ -161,106 +166,86 @@ impl Store {
     }
 
     /// Tells the other replicas that the group is paused for `pause`, because the
-    /// upstream refused a request (`refusal`) or its budget is spent, and the step down
-    /// this replica `learned` from it.
-    pub fn pause(&self, group: &Arc<str>, pause: Duration, refusal: bool, learned: Publication) {
+    /// upstream refused a request (`refusal`) or its budget is spent, and the change of
+    /// the pace this replica made (`publish`).
+    pub fn pause(
+        &self,
+        group: &Arc<str>,
+        pause: Duration,
+        refusal: bool,
+        publish: Option<Publish>,
+    ) {
         if let Store::Redis(redis) = self {
             let (redis, group) = (redis.clone(), group.clone());
-            tokio::spawn(async move { redis.pause(&group, pause, refusal, learned).await });
+            tokio::spawn(async move { redis.pause(&group, pause, refusal, publish).await });
         }
     }
 }
 
 impl State {
-    /// What the next booking in the shared store publishes of the learning done here,
-    /// and the window to count the group's bookings over.
-    pub(super) fn learning(&mut self) -> Learning {
-        Learning {
-            publication: self.publication(),
-            window: self.learner.count_window(self.rates.pace()),
-            probing: self.probe.is_on(Instant::now()),
+    /// What a booking in the shared store adds to the rates: the pace, the window, and
+    /// a change of the pace made here, taken (it is published once).
+    pub(super) fn booking(&mut self, now: Instant) -> Booking {
+        let pace = self.budget.pace().map(|rate| {
+            let interval = Duration::from_secs_f64(1.0 / rate.max(1e-6));
+            interval.div_f64(shared_factor(interval))
+        });
+        let margin = self.budget.params().margin;
+        Booking {
+            pace,
+            window: (self.budget.window_budget()).map(|(q, w)| (q, w.div_f64(margin))),
+            publish: self.publication(),
+            probing: self.budget.probing(now),
+            learned: self.budget.pace().is_some() || self.budget.window_budget().is_some(),
         }
     }
 
-    /// The learning done here that the shared store has yet to hear of (taken: it is
-    /// published once).
-    pub(super) fn publication(&mut self) -> Publication {
-        let publish = std::mem::take(&mut self.publish);
-        self.publication_if(publish)
-    }
-
-    /// What a pause publishes: a step down, which every replica should pace by at
-    /// once. A first reading of a burst from this replica's share of the answers waits
-    /// for the next booking, by which time the other replicas' own readings are in
-    /// (the fastest holds); taken early, it would have them discard those as stale.
-    /// The next booking publishes a step again (the flag stays): nothing waits for the
-    /// pause's answer, and while the store is down the pause does not reach it.
-    pub(super) fn step_publication(&self) -> Publication {
-        let step = self.learner.precedence() == Precedence::Slower;
-        self.publication_if(self.publish && step)
-    }
-
-    /// The learned state with the interval to book it at, when `publish`.
-    fn publication_if(&self, publish: bool) -> Publication {
-        let publish = publish
-            .then(|| self.learner.shared())
-            .flatten()
-            .map(|shared| {
-                let rate = shared.rate().max(1e-6);
-                let per_second = rate * shared_factor(Duration::from_secs_f64(1.0 / rate));
-                (shared, Duration::from_secs_f64(1.0 / per_second))
-            });
-        Publication {
-            publish,
-            precedence: self.learner.precedence(),
-        }
+    /// The change of the pace made here that the shared store has yet to hear of
+    /// (taken: it is published once).
+    pub(super) fn publication(&mut self) -> Option<Publish> {
+        std::mem::take(&mut self.publish).then(|| {
+            let pace = self.budget.controller();
+            Publish::new(&self.version, pace.rate, pace.ceiling)
+        })
     }
 }
 
 impl Group {
-    /// What the shared store answered a booking that published `learning` (`None`: it
-    /// did not answer), for the slot at `slot`: the learned rate in force there is
-    /// adopted, the count of bookings kept, and what did not reach it (or what it no
-    /// longer has) is published again with the next booking.
-    pub(super) fn shared_learning(
-        &self,
-        booked: Option<&Reservation>,
-        learning: Learning,
-        slot: Instant,
-    ) {
+    /// What the shared store answered a booking that published `published` (`None`:
+    /// it did not answer): the record in force is adopted; a change that did not reach
+    /// the store goes out with the next booking.
+    pub(super) fn shared_budget(&self, booked: Option<&Reservation>, published: Option<Publish>) {
         let mut state = self.lock();
         let Some(booking) = booked else {
-            state.publish |= learning.publication.publish.is_some();
-            state.learner.probes_for_group(false);
+            state.publish |= published.is_some();
             return;
         };
         if booking.probing == Probing::Over {
-            state.probe.end();
+            state.budget.end_probe();
         }
-        let now = Instant::now();
-        let elsewhere = matches!(booking.probing, Probing::Elsewhere(_));
-        if booking.paused_for.is_none() && !elsewhere {
-            state
-                .learner
-                .probes_for_group(booking.probing == Probing::ForGroup);
-            let counted = learning.window.map(|window| Counted {
-                booked: booking.booked_in_window,
-                refused: booking.refused_in_window,
-                window,
-            });
-            state.learner.booked(slot, now, counted);
+        if !matches!(booking.probing, Probing::Elsewhere(_)) {
+            let sole = booking.probing == Probing::ForGroup;
+            state.budget.probes_for_group(sole);
         }
-        let published = learning.publication.publish.map(|(shared, _)| shared);
-        match booking.learned {
-            // Learned here since the booking left: that goes out with the next one.
-            _ if state.publish => {}
-            Some(shared) if published == Some(shared) => state.learner.published(now),
-            Some(shared) => {
-                if state.learner.adopt(shared, now) {
-                    self.apply_learned(&mut state);
-                }
-            }
-            None => state.publish = state.learner.shared().is_some(),
+        let Some(record) = &booking.shared else {
+            // The record expired: publish this replica's again.
+            state.publish |= state.budget.pace().is_some();
+            state.version.clear();
+            return;
+        };
+        let ours =
+            published.is_some_and(|p| (&p.rate, &p.ceiling) == (&record.rate, &record.ceiling));
+        if ours {
+            state.version.clone_from(&record.v);
+            return;
+        }
+        if record.v == state.version || state.publish {
+            return;
+        }
+        state.version.clone_from(&record.v);
+        let (rate, ceiling) = record.values();
+        if state.budget.adopt(rate, ceiling, Instant::now()) {
+            self.learned(&mut state, false);
         }
     }
 }

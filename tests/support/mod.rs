@@ -13,6 +13,7 @@ use std::time::Duration;
 mod binary;
 mod bodies;
 mod clients;
+mod external;
 mod misbehave;
 mod proxy;
 mod redis_server;
@@ -23,8 +24,8 @@ mod waits;
 // Each test file uses a different part.
 #[allow(unused_imports)]
 pub use {
-    binary::*, bodies::*, clients::*, misbehave::*, proxy::*, redis_server::*, tls::*, upstream::*,
-    waits::*,
+    binary::*, bodies::*, clients::*, external::*, misbehave::*, proxy::*, redis_server::*, tls::*,
+    upstream::*, waits::*,
 };
 
 /// 127.0.0.1, where everything listens unless a test asks for another loopback address.

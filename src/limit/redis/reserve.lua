@@ -1,69 +1,69 @@
+-- Books the next slot of a group for every replica: the Redis form of gcra.rs (µs on
+-- Redis's clock), with the group's pause, its shared pace, and at most `quota`
+-- departures in any `span` of an announced window. KEYS: pause, budget, rate:learned,
+-- booked, probe, then one TAT per configured rate. ARGV[1]: `protocol::Reserve` as
+-- JSON. Returns `protocol::Reserved` as JSON.
+local req = cjson.decode(ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[7])
-publish(KEYS[2], now)
-local learned = redis.call('HMGET', KEYS[2], 'interval', 'base', 'factor', 'source')
-local interval = tonumber(learned[1] or 0) or 0
-local window = tonumber(ARGV[8])
+local answer = { wait = 0, paused = 0, stamp = string.format('%.0f', now), probe = 'no', probe_left = 0 }
+answer.shared = budget(KEYS[2], now, req.publish, req.ttl_ms)
 local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
 if paused > now then
-  return { paused - now, paused - now, learned[2], learned[3], learned[4], 0, 0, now, 0 }
+  answer.paused = paused - now
+  return cjson.encode(answer)
 end
--- One replica probes for a group that has no rate yet: the first to ask while its
--- own probe is on. The others wait until it has learned a rate or its probe is over;
+-- One replica probes for a group that has learned nothing yet: the first to ask while
+-- its own probe is on. The others wait until it has learned or its probe is over;
 -- then theirs is over too.
-local probe = 0
-if interval == 0 and #KEYS == 6 then
-  local prober = redis.call('HMGET', KEYS[6], 'id', 'until')
+if not req.learned and not answer.shared then
+  local prober = redis.call('HMGET', KEYS[5], 'id', 'until')
   local on = prober[1] and now < tonumber(prober[2])
-  local mine = prober[1] == ARGV[10]
-  if on and mine and ARGV[11] ~= '1' then
-    -- The prober's own probe ended: so does the group's.
-    redis.call('HSET', KEYS[6], 'until', string.format('%.0f', now))
+  local mine = prober[1] == req.id
+  if on and mine and not req.probing then
+    redis.call('HSET', KEYS[5], 'until', string.format('%.0f', now))
   elseif on and mine then
-    -- Still probing for the group.
-    probe = 1
-  elseif on and ARGV[11] == '1' then
-    -- Another replica probes: nothing booked; the time left, negative.
-    return { 0, 0, learned[2], learned[3], learned[4], 0, 0, now, now - tonumber(prober[2]) }
-  elseif prober[1] and ARGV[11] == '1' then
-    -- The group's probe is over: so is this replica's.
-    probe = 2
-  elseif ARGV[11] == '1' then
-    -- No probe yet: this replica probes for the group.
-    local ends = now + tonumber(ARGV[12]) * 1000
-    redis.call('HSET', KEYS[6], 'id', ARGV[10], 'until', string.format('%.0f', ends))
-    redis.call('PEXPIRE', KEYS[6], tonumber(ARGV[5]))
-    probe = 1
+    answer.probe = 'group'
+  elseif on and req.probing then
+    answer.probe = 'elsewhere'
+    answer.probe_left = tonumber(prober[2]) - now
+    return cjson.encode(answer)
+  elseif prober[1] and req.probing then
+    answer.probe = 'over'
+  elseif req.probing then
+    redis.call('HSET', KEYS[5], 'id', req.id, 'until', string.format('%.0f', now + req.probe_ms * 1000))
+    redis.call('PEXPIRE', KEYS[5], req.ttl_ms)
+    answer.probe = 'group'
   end
 end
+-- Earliest: every rate's TAT less its tolerance, the pace's TAT, and the window.
 local depart = now
 local tats = {}
-for i = 7, #KEYS do
-  tats[i] = tonumber(redis.call('GET', KEYS[i]) or 0)
-  depart = math.max(depart, tats[i] - tonumber(ARGV[2 * i]))
+for i, rate in ipairs(req.rates) do
+  tats[i] = tonumber(redis.call('GET', KEYS[5 + i]) or 0)
+  depart = math.max(depart, tats[i] - rate[2])
 end
-local learned_tat = 0
-if interval > 0 then
-  learned_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
-  depart = math.max(depart, learned_tat)
+local pace_tat = 0
+if req.pace > 0 then
+  pace_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
+  depart = math.max(depart, pace_tat)
 end
-for i = 7, #KEYS do
-  local tat = math.max(tats[i], depart) + cost * tonumber(ARGV[2 * i - 1])
-  redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
+if req.window then
+  local q = req.window[1]
+  local oldest = redis.call('ZREVRANGE', KEYS[4], q - 1, q - 1, 'WITHSCORES')
+  if oldest[2] then depart = math.max(depart, tonumber(oldest[2]) + req.window[2]) end
 end
-if interval > 0 then
-  local tat = math.max(learned_tat, depart) + cost * interval
-  redis.call('SET', KEYS[3], string.format('%.0f', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
+-- Departs at `depart`: every TAT advances from there.
+local function advance(key, tat, interval)
+  local next = math.max(tat, depart) + req.cost * interval
+  redis.call('SET', key, string.format('%.0f', next), 'PX', math.floor((next - now) / 1000) + 1000)
 end
-local booked, refused = 0, 0
-if window > 0 then
-  refused = redis.call('ZCOUNT', KEYS[5], string.format('(%.0f', now - window), '+inf')
-  redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%.0f', depart, now))
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%.0f', depart - window))
-  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[9]) - 1)
-  redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + window) / 1000) + 1000)
-  booked = redis.call('ZCARD', KEYS[4])
-  if booked >= tonumber(ARGV[9]) then booked = 0 end
+for i, rate in ipairs(req.rates) do advance(KEYS[5 + i], tats[i], rate[1]) end
+if req.pace > 0 then advance(KEYS[3], pace_tat, req.pace) end
+if req.window then
+  redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%s', now, req.id))
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -req.window[1] - 1)
+  redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + req.window[2]) / 1000) + 1000)
 end
-return { depart - now, paused - now, learned[2], learned[3], learned[4], booked, refused, now, probe }
+answer.wait = depart - now
+return cjson.encode(answer)
