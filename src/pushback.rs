@@ -50,9 +50,10 @@ pub enum Verdict {
 /// `now` reads our wall clock at the response; it is called only for a refusal.
 /// `pushbacks_in_row` counts the group's push-backs since its last normal answer, for the
 /// fallback backoff; `jitter` is in `[0, 1)`. `pace` is the group's emission interval
-/// when it is paced: a refusal that says nothing from a paced group means the request
-/// came slightly early, and it pauses for a small margin ([`BARE_MARGIN`] of the
-/// interval) instead of backing off from a second; the retry then takes the next slot.
+/// when it is paced: a first refusal that says nothing from a paced group means the
+/// request came slightly early, and it pauses for a small margin ([`BARE_MARGIN`] of
+/// the interval) instead of backing off from a second; the retry then takes the next
+/// slot. Refused again before any normal answer, it backs off.
 pub fn judge(
     status: u16,
     headers: &HeaderMap,
@@ -73,9 +74,12 @@ pub fn judge(
         true => pause_hint(headers, now(), max),
         false => None,
     };
+    // A paced group's first bare refusal is a request that came slightly early; one
+    // right after it is not, and backs off like an unpaced group's.
     let fallback = || {
         Verdict::Refused(match pace {
-            Some(pace) => pace.mul_f64(BARE_MARGIN).min(max),
+            Some(pace) if pushbacks_in_row == 0 => pace.mul_f64(BARE_MARGIN).min(max),
+            Some(_) => backoff(pushbacks_in_row - 1, max, jitter),
             None => backoff(pushbacks_in_row, max, jitter),
         })
     };
@@ -458,7 +462,9 @@ mod tests {
         // (pushbacks in a row, pace, pause)
         let cases = [
             (0, Some(ms(200)), ms(20)),
-            (5, Some(ms(200)), ms(20)),
+            // Refused again right after: not slightly early, a backoff.
+            (1, Some(ms(200)), ms(750)),
+            (3, Some(ms(200)), Duration::from_secs(3)),
             (0, Some(Duration::from_secs(7200)), Duration::from_secs(600)),
             (0, None, ms(750)),
             (2, None, Duration::from_secs(3)),

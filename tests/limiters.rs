@@ -398,9 +398,11 @@ async fn three_replicas_told_nothing_find_a_strict_limiters_rate_as_one() {
     let redis = RedisServer::start().await;
     let (record, _) = three_replicas(&redis, Family::Strict { last: None }, None).await;
     // The first burst reads as one request per guessed pause per replica: a floor,
-    // climbed from a calm second at a time until a paced request is refused; a
-    // refusal's step is published at once, and slots booked before it are left unused.
-    assert!(refusals(&record) <= 6, "{} refused", refusals(&record));
+    // grown by half with every answer until a paced request is refused, then bisected;
+    // a refusal's step is published at once, and slots booked before it are left
+    // unused. The three replicas' requests in flight when the growth meets the limit
+    // are refused together (docs/budget.md: replicas are not in the simulator yet).
+    assert!(refusals(&record) <= 10, "{} refused", refusals(&record));
     let (learned, rate) = learned_in(&redis).await;
     // Near the limiter's 10 a second, well above the first burst's floor (about 3);
     // a loaded machine's late departures cost a step or two more.

@@ -54,7 +54,8 @@ impl External {
     }
 
     /// nginx on a free loopback port, limiting every request with `limit_req` at `rate`
-    /// (its notation, e.g. `5r/s`), no burst, refusing with `429`; its access log has
+    /// (its notation, e.g. `5r/s`) for the one client address tollgate dials from, no
+    /// burst, refusing with `429`; its access log has
     /// `$msec $status` per request.
     pub async fn nginx_limit_req(rate: &str) -> External {
         let dir = tempfile::tempdir().unwrap();
@@ -71,7 +72,7 @@ impl External {
                 "daemon off;\nworker_processes 1;\nerror_log {root}/error.log;\npid {root}/nginx.pid;\n\
                  events {{ worker_connections 256; }}\n\
                  http {{\n  log_format t '$msec $status';\n  access_log {root}/access.log t;\n\
-                 limit_req_zone $server_name zone=all:1m rate={rate};\n\
+                 limit_req_zone $binary_remote_addr zone=all:1m rate={rate};\n\
                  server {{\n    listen 127.0.0.1:{port};\n    root {root};\n\
                  location / {{ limit_req zone=all; limit_req_status 429; try_files /index.html =404; }}\n  }}\n}}\n"
             );

@@ -5,6 +5,19 @@ use std::time::{Duration, Instant};
 
 use super::*;
 
+/// Waits until `check` finds what it looks for (asked every 5 ms, for [`BOUND`] at
+/// most), and returns it.
+pub async fn eventually<T>(mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        if let Some(found) = check() {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "never came to pass");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits until `group`'s queue (waiting requests and the one at its head) holds `n`,
 /// as `/metrics` on the admin listener shows it.
 pub async fn wait_queued(proxy: &Proxy, group: &str, n: usize) {

@@ -411,7 +411,7 @@ mod tests {
         assert!(b.refused(t0, t0 + MS * 2, S, true, None));
         let status = b.status(t0 + MS * 2);
         assert_eq!(status.phase, Phase::Paced);
-        assert_eq!(status.pace_per_second, Some(5.0 * 0.98));
+        assert_eq!(status.pace_per_second, Some(5.0 * 0.9));
         assert_eq!(status.ceiling_per_second, Some(5.0));
         // The rest of the burst's refusals are the same episode.
         assert!(!b.refused(t0, t0 + MS * 3, S, true, None));

@@ -32,12 +32,19 @@ pub enum Held {
 }
 
 /// The pace learned from refusals, and what moves it.
+///
+/// The upstream's limit lies between the fastest pace that held a calm round (`held`)
+/// and the slowest one it refused (`ceiling`): a refusal returns to the one, a calm round
+/// goes halfway to the other, until they are within the margin of each other.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pace {
     /// The pace, per second; `None` until a refusal asks for one.
     pub rate: Option<f64>,
-    /// A pace the upstream refused, per second; `None`: none known (the pace grows).
+    /// The slowest pace the upstream refused since it last held one, per second;
+    /// `None`: none known (the pace grows).
     pub ceiling: Option<f64>,
+    /// The fastest pace that held a calm round since, per second.
+    held: Option<f64>,
     /// The pace never drops below this (`min_rate`), per second.
     floor: f64,
     /// Refusals of requests that left before then count for nothing: they were sent at
@@ -58,6 +65,7 @@ impl Pace {
         Pace {
             rate: None,
             ceiling: None,
+            held: None,
             floor,
             stepped: None,
             changed: None,
@@ -87,18 +95,30 @@ impl Pace {
             return false;
         }
         let before = self.rate;
-        match held {
+        let next = match held {
             Held::Paced { pace, delivered } => {
                 let ceiling = delivered.map_or(pace, |d| d.min(pace));
                 self.ceiling = Some(ceiling);
-                self.set(p.decrease * ceiling, now);
+                // A pace that held calm and is refused now: the limit moved under it.
+                self.held = self.held.filter(|h| *h < ceiling);
+                self.held.unwrap_or(p.decrease * ceiling)
             }
-            Held::Unpaced { delivered, said } => {
-                self.ceiling = said.then_some(delivered);
-                let factor = if said { p.margin } else { 1.0 };
-                self.set(factor * delivered, now);
+            Held::Unpaced {
+                delivered,
+                said: true,
+            } => {
+                self.ceiling = Some(delivered);
+                self.held = None;
+                p.decrease * delivered
             }
-        }
+            // A bare refusal of an unpaced burst shows only a floor to grow from.
+            Held::Unpaced { delivered, .. } => {
+                self.ceiling = None;
+                self.held = None;
+                delivered
+            }
+        };
+        self.set(next, now);
         self.stepped = Some(now);
         self.since_refusal = 0.0;
         self.rate != before
@@ -116,24 +136,36 @@ impl Pace {
             return false;
         }
         self.calm += weight;
-        if self.calm < f64::from(p.calm) {
+        // With no ceiling every answer is a round: the pace grows as a TCP window does,
+        // once per round trip.
+        let round = if self.ceiling.is_some() {
+            f64::from(p.calm)
+        } else {
+            1.0
+        };
+        if self.calm < round {
             return false;
         }
+        self.calm = 0.0;
+        let held = self.held.map_or(rate, |h| h.max(rate));
+        self.held = Some(held);
         let next = match self.ceiling {
             None => p.growth * rate,
-            Some(ceiling) if rate < p.margin * ceiling => p.margin * ceiling,
+            // Halfway to the pace refused, until the two are within the margin.
+            Some(ceiling) if ceiling - held > (1.0 - p.margin) * ceiling => (held + ceiling) / 2.0,
+            // Close enough: explore above it, at most once per `1 / (1 − margin)`
+            // answers, so that at most `1 − margin` of them are refused.
             Some(ceiling) if self.since_refusal >= 1.0 / (1.0 - p.margin) => {
-                // Held at the ceiling long enough: explore above it, at most once per
-                // that many answers, so that at most 1 − margin of them are refused.
-                self.ceiling = Some(ceiling / p.margin);
                 self.since_refusal = 0.0;
-                rate / p.margin
+                let above = ceiling / p.margin;
+                self.ceiling = Some(above);
+                (held + above) / 2.0
             }
-            Some(_) => {
-                self.calm = 0.0;
-                return false;
-            }
+            Some(_) => held,
         };
+        if next == rate {
+            return false;
+        }
         self.set(next, now);
         true
     }
@@ -156,6 +188,9 @@ impl Pace {
         if lower {
             self.stepped = Some(now);
             self.since_refusal = 0.0;
+        }
+        if let Some(ceiling) = ceiling {
+            self.held = self.held.filter(|h| *h < ceiling);
         }
         self.rate = rate;
         self.ceiling = ceiling;
@@ -183,44 +218,74 @@ mod tests {
     }
 
     #[test]
-    fn a_paced_refusal_steps_down_once_per_episode_and_a_calm_round_returns_under_it() {
+    fn a_paced_refusal_steps_down_once_per_episode_and_calm_rounds_bisect_to_the_limit() {
         let p = Params::default();
         let t0 = Instant::now();
         let mut pace = Pace::new(0.0);
+        let paced = |pace| Held::Paced {
+            pace,
+            delivered: None,
+        };
         // Held to 5/s by the configured rate; refused a millisecond after it left.
         let step = t0 + MS;
-        assert!(pace.refused(
-            &p,
-            t0,
-            step,
-            Held::Paced {
-                pace: 5.0,
-                delivered: None
-            }
-        ));
+        assert!(pace.refused(&p, t0, step, paced(5.0)));
         assert_eq!(round(pace.rate), Some(4.5));
         // The other refusals of requests sent before the step change nothing, and their
         // answers do not count towards calm.
-        assert!(!pace.refused(
-            &p,
-            t0,
-            step + MS,
-            Held::Paced {
-                pace: 5.0,
-                delivered: None
-            }
-        ));
+        assert!(!pace.refused(&p, t0, step + MS, paced(5.0)));
         accept(&mut pace, &p, t0, 10);
         assert_eq!(round(pace.rate), Some(4.5));
-        // A calm round: a margin under the pace refused.
-        accept(&mut pace, &p, t0 + MS * 10, p.calm);
-        assert_eq!(round(pace.rate), Some(4.9));
-        // It stays there until 50 answers since the refusal, then explores 2 % above.
-        accept(&mut pace, &p, t0 + MS * 20, 30);
-        assert_eq!(round(pace.rate), Some(4.9));
-        accept(&mut pace, &p, t0 + MS * 20, 8);
-        assert_eq!(round(pace.rate), Some(5.0));
-        assert_eq!(round(pace.ceiling), Some(5.102));
+        // Calm rounds go halfway to the pace refused, until within 2 % of it.
+        let mut rates = Vec::new();
+        for k in 1..=4 {
+            accept(&mut pace, &p, t0 + MS * (10 * k), p.calm);
+            rates.push(round(pace.rate).unwrap());
+        }
+        assert_eq!(rates, [4.75, 4.875, 4.938, 4.938]);
+        // Refused there at last, at a pace that had held (the limit is a little under,
+        // or the noise of arrival times): a step under it, and halfway back again.
+        let at = t0 + MS * 100;
+        pace.refused(&p, at, at, paced(4.9375));
+        assert_eq!(round(pace.rate), Some(4.444));
+        assert_eq!(round(pace.ceiling), Some(4.938));
+        let mut rates = Vec::new();
+        for _ in 0..4 {
+            accept(&mut pace, &p, at + MS, p.calm);
+            rates.push(round(pace.rate).unwrap());
+        }
+        assert_eq!(rates, [4.691, 4.814, 4.876, 4.876]);
+        // 50 answers since the refusal: it explores above the ceiling once.
+        accept(&mut pace, &p, at + MS, 32);
+        assert_eq!(round(pace.rate), Some(4.876));
+        accept(&mut pace, &p, at + MS, 4);
+        assert_eq!(round(pace.ceiling), Some(5.038));
+        assert_eq!(round(pace.rate), Some(4.957));
+    }
+
+    #[test]
+    fn a_refusal_far_above_the_limit_returns_to_the_pace_that_held() {
+        let p = Params::default();
+        let t0 = Instant::now();
+        let mut pace = Pace::new(0.0);
+        // Growing from a floor of 2/s: every answer a round, × 1.5.
+        let floor = Held::Unpaced {
+            delivered: 2.0,
+            said: false,
+        };
+        pace.refused(&p, t0, t0, floor);
+        for k in 1..=3 {
+            accept(&mut pace, &p, t0 + MS * k, 1);
+        }
+        assert_eq!(round(pace.rate), Some(6.75));
+        // Refused at 6.75: back to 4.5, which held, and halfway from there.
+        let refused = Held::Paced {
+            pace: 6.75,
+            delivered: None,
+        };
+        pace.refused(&p, t0 + MS * 5, t0 + MS * 6, refused);
+        assert_eq!(round(pace.rate), Some(4.5));
+        accept(&mut pace, &p, t0 + MS * 7, p.calm);
+        assert_eq!(round(pace.rate), Some(5.625));
     }
 
     #[test]
@@ -228,44 +293,13 @@ mod tests {
         let p = Params::default();
         let t0 = Instant::now();
         // (delivered, said, pace, ceiling)
-        let cases = [(10.0, true, 9.8, Some(10.0)), (2.0, false, 2.0, None)];
+        let cases = [(10.0, true, 9.0, Some(10.0)), (2.0, false, 2.0, None)];
         for (delivered, said, rate, ceiling) in cases {
             let mut pace = Pace::new(0.0);
             pace.refused(&p, t0, t0, Held::Unpaced { delivered, said });
             assert_eq!(round(pace.rate), Some(rate));
             assert_eq!(pace.ceiling, ceiling);
         }
-    }
-
-    #[test]
-    fn with_no_ceiling_a_calm_round_grows_the_pace_until_a_refusal() {
-        let p = Params::default();
-        let t0 = Instant::now();
-        let mut pace = Pace::new(0.0);
-        pace.refused(
-            &p,
-            t0,
-            t0,
-            Held::Unpaced {
-                delivered: 2.0,
-                said: false,
-            },
-        );
-        for round in 1..=3 {
-            accept(&mut pace, &p, t0 + MS * round, p.calm);
-        }
-        assert_eq!(round(pace.rate), Some(6.75));
-        pace.refused(
-            &p,
-            t0 + MS * 5,
-            t0 + MS * 6,
-            Held::Paced {
-                pace: 6.75,
-                delivered: None,
-            },
-        );
-        assert_eq!(round(pace.rate), Some(6.075));
-        assert_eq!(pace.ceiling, Some(6.75));
     }
 
     #[test]
