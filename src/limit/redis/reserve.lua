@@ -48,10 +48,22 @@ if req.pace > 0 then
   pace_tat = tonumber(redis.call('GET', KEYS[3]) or 0)
   depart = math.max(depart, pace_tat)
 end
-if req.window then
-  local q = req.window[1]
+-- The window is the group's: one replica's announcement holds every replica's
+-- bookings, those of replicas that have not heard it yet too, and its length is the
+-- longest any replica read (a reading is a bound from below: budget/window.rs).
+local window = req.window
+local stored = redis.call('HMGET', KEYS[2], 'wq', 'ws')
+if window then
+  window = { window[1], math.max(window[2], tonumber(stored[2] or 0)) }
+  redis.call('HSET', KEYS[2], 'wq', window[1], 'ws', window[2])
+  redis.call('PEXPIRE', KEYS[2], req.ttl_ms)
+elseif stored[1] then
+  window = { tonumber(stored[1]), tonumber(stored[2]) }
+end
+if window then
+  local q = window[1]
   local oldest = redis.call('ZREVRANGE', KEYS[4], q - 1, q - 1, 'WITHSCORES')
-  if oldest[2] then depart = math.max(depart, tonumber(oldest[2]) + req.window[2]) end
+  if oldest[2] then depart = math.max(depart, tonumber(oldest[2]) + window[2]) end
 end
 -- Departs at `depart`: every TAT advances from there.
 local function advance(key, tat, interval)
@@ -60,10 +72,10 @@ local function advance(key, tat, interval)
 end
 for i, rate in ipairs(req.rates) do advance(KEYS[5 + i], tats[i], rate[1]) end
 if req.pace > 0 then advance(KEYS[3], pace_tat, req.pace) end
-if req.window then
-  redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%s', now, req.id))
-  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -req.window[1] - 1)
-  redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + req.window[2]) / 1000) + 1000)
-end
+-- Every booking is kept (a quota's worth, 64 at least), so that the departures
+-- before a window was announced count in it too.
+redis.call('ZADD', KEYS[4], depart, string.format('%.0f:%s', now, req.id))
+redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -math.max(window and window[1] or 0, 64) - 1)
+redis.call('PEXPIRE', KEYS[4], math.floor((depart - now + (window and window[2] or 0)) / 1000) + 1000)
 answer.wait = depart - now
 return cjson.encode(answer)
