@@ -157,6 +157,10 @@ pub struct Budget {
     replicas: u32,
     /// This replica probes for the group: the answers it sees are all the group's.
     sole: bool,
+    /// When the window last let through a request the upstream refused, while no pace
+    /// held the group: one such refusal is a window's edge met a little early, a second
+    /// within a window says the upstream refuses bursts.
+    edge: Option<Instant>,
 }
 
 impl Budget {
@@ -173,6 +177,7 @@ impl Budget {
             offered: (0, None),
             replicas: 1,
             sole: false,
+            edge: None,
         }
     }
 
@@ -344,6 +349,14 @@ impl Budget {
         if !self.pace.counts(sent) {
             return probed;
         }
+        let span = self.window_budget().map(|(_, w)| w.div_f64(params.margin));
+        if let (Some(span), None) = (span, self.pace.rate) {
+            let again = self.edge.is_some_and(|edge| sent < edge + span);
+            self.edge = Some(sent);
+            if !again {
+                return probed;
+            }
+        }
         let delivered = self.delivered(now, pause);
         let window_rate = self.window.as_ref().and_then(Window::rate);
         let held = [configured, self.pace.rate, window_rate]
@@ -438,7 +451,7 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_in_a_window_that_let_it_through_paces_at_the_windows_rate() {
+    fn refusals_in_a_window_that_let_them_through_pace_at_the_windows_rate() {
         let t0 = Instant::now();
         let mut b = Budget::new(Params::default(), true, 0.0);
         let a = Announcement {
@@ -449,8 +462,12 @@ mod tests {
         };
         b.departed(t0);
         b.announced(&a, t0, t0 + MS);
-        // Told 20/s: the window's 10/s is the slower, and the pace it was held to.
-        assert!(b.refused(t0 + MS * 5, t0 + MS * 6, MS * 100, true, Some(20.0)));
+        // One refusal is the window's edge met early: the pause, and nothing more.
+        assert!(!b.refused(t0 + MS * 5, t0 + MS * 6, MS * 100, true, Some(20.0)));
+        assert_eq!(b.pace(), None);
+        // A second within the window: the upstream refuses its bursts. Told 20/s, the
+        // window's 10/s is the slower, and the pace it was held to.
+        assert!(b.refused(t0 + MS * 200, t0 + MS * 201, MS * 100, true, Some(20.0)));
         assert_eq!(b.pace(), Some(9.0));
         assert_eq!(b.status(t0).phase, Phase::WindowedPaced);
     }
