@@ -230,12 +230,13 @@ fn owned_head(mut parts: http::request::Parts) -> http::request::Parts {
     parts
 }
 
-/// When an answer came: our wall clock then, and where the backoff's jitter comes
-/// from (the simulator's is deterministic).
+/// When an answer came: our wall clock then (`None`: read it when a header needs it,
+/// which nearly no answer does), and where the backoff's jitter comes from (the
+/// simulator's are its own, and deterministic).
 #[derive(Debug, Clone, Copy)]
 pub struct Answered {
     /// Our wall clock at the answer.
-    pub at: SystemTime,
+    pub at: Option<SystemTime>,
     /// A number in `[0, 1)`.
     pub jitter: fn() -> f64,
 }
@@ -243,10 +244,11 @@ pub struct Answered {
 impl Answered {
     /// An answer that came now.
     pub fn now() -> Answered {
-        Answered {
-            at: SystemTime::now(),
-            jitter,
-        }
+        Answered { at: None, jitter }
+    }
+
+    fn wall_clock(&self) -> SystemTime {
+        self.at.unwrap_or_else(SystemTime::now)
     }
 }
 
@@ -265,7 +267,6 @@ pub fn after_answer(
 ) -> ControlFlow<Response<Body>> {
     let settings = group.settings();
     let status = response.status().as_u16();
-    let now = answered.at;
     // Jitter only spreads the fallback backoff of a refusal; skip its hashing on every
     // other answer.
     let jitter = if settings.retry_statuses.contains(&status) {
@@ -275,7 +276,7 @@ pub fn after_answer(
     };
     let headers = response.headers();
     if names_a_rate_limit(headers) {
-        if let Some(announcement) = announced(headers, now) {
+        if let Some(announcement) = announced(headers, answered.wall_clock()) {
             group.announced(&announcement, sent);
         }
     }
@@ -283,7 +284,7 @@ pub fn after_answer(
         status,
         headers,
         &settings,
-        || now,
+        || answered.wall_clock(),
         group.pushbacks_in_row(),
         jitter,
         group.pace(),

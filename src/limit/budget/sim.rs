@@ -374,7 +374,7 @@ async fn cell(family: Family, dialect: Dialect, told: Told, r: f64, run: Duratio
                     limiter.lock().unwrap().answered(decision.ok);
                     drop(permit);
                     let answered = crate::pushback::Answered {
-                        at: epoch + start.elapsed(),
+                        at: Some(epoch + start.elapsed()),
                         // The middle of the fallback backoff's range, every time.
                         jitter: || 0.5,
                     };
