@@ -83,24 +83,20 @@ fn per_second(answered: &[(f64, u16)]) -> Vec<usize> {
     counts
 }
 
-/// Checks a limit of 5 a second was spent: at most `most_refused` refusals, and in the
-/// median second the upstream accepted 4 or 5. A group that waits out a reset rounded
-/// up to the next-but-one second after each window, or paces at a rate read from it
-/// (5 per 2 s), gets 2 or 3.
+/// Checks a limit of 5 a second was spent: at most `most_refused` refusals, and over
+/// the whole seconds of the run the upstream accepted 3.5 a second or more. A group
+/// that waits out a reset rounded up to the next-but-one second after each window, or
+/// paces at a rate read from it (5 per 2 s), gets 2.5; a loaded machine's late
+/// departures cost a step or two of the pace, not half of it.
 fn spent_per_second(answered: &[(f64, u16)], most_refused: usize) {
     assert!(
         refused(answered) <= most_refused,
         "{} refused: {answered:?}",
         refused(answered)
     );
-    let mut counts = per_second(answered);
-    counts.sort_unstable();
-    let median = counts[counts.len() / 2];
-    assert!(
-        median >= 4,
-        "accepted per second {:?}",
-        per_second(answered)
-    );
+    let counts = per_second(answered);
+    let mean = counts.iter().sum::<usize>() as f64 / counts.len() as f64;
+    assert!(mean >= 3.5, "accepted per second {counts:?}");
 }
 
 fn express(limit: &str, window_ms: &str) -> External {
