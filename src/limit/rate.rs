@@ -119,11 +119,6 @@ impl Rates {
         self.per_second().into_iter().reduce(f64::min)
     }
 
-    /// The slowest rate in force, learned pace included, per second.
-    pub fn slowest(&self) -> Option<f64> {
-        self.pace().map(|p| 1.0 / p.as_secs_f64().max(1e-9))
-    }
-
     fn since_epoch(&self, at: Instant) -> Duration {
         at.saturating_duration_since(self.epoch)
     }
