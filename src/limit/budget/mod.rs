@@ -157,10 +157,12 @@ pub struct Budget {
     replicas: u32,
     /// This replica probes for the group: the answers it sees are all the group's.
     sole: bool,
-    /// When the window last let through a request the upstream refused, while no pace
-    /// held the group: one such refusal is a window's edge met a little early, a second
-    /// within a window says the upstream refuses bursts.
-    edge: Option<Instant>,
+    /// Accepted answers (for all replicas) since the window last let through a request
+    /// the upstream refused while no pace held the group; `None`: never. Such a refusal
+    /// is a window's edge met a little early when it is the first, or comes after
+    /// `1 / (1 − margin)` accepted answers: the margin's share of refusals. More often,
+    /// the upstream refuses what its window allows, and the group needs a pace.
+    since_edge: Option<f64>,
 }
 
 impl Budget {
@@ -177,7 +179,7 @@ impl Budget {
             offered: (0, None),
             replicas: 1,
             sole: false,
-            edge: None,
+            since_edge: None,
         }
     }
 
@@ -250,7 +252,8 @@ impl Budget {
     pub fn opens(&self, now: Instant, shared: bool) -> Option<Instant> {
         let window = self.window.as_ref()?;
         let share = 1.0 / f64::from(self.replicas);
-        window.opens(&self.departures, now, &self.params, !shared, share)
+        let trusted = self.pace.rate.is_none();
+        window.opens(&self.departures, now, &self.params, !shared, share, trusted)
     }
 
     /// The window's budget, quota per length, when known (a shared store counts it).
@@ -324,6 +327,9 @@ impl Budget {
         }
         self.accepted.push_back(now);
         let weight = self.weight();
+        if let Some(n) = &mut self.since_edge {
+            *n += weight;
+        }
         self.probe.accepted() | self.pace.accepted(&self.params, sent, now, weight)
     }
 
@@ -349,11 +355,12 @@ impl Budget {
         if !self.pace.counts(sent) {
             return probed;
         }
-        let span = self.window_budget().map(|(_, w)| w.div_f64(params.margin));
-        if let (Some(span), None) = (span, self.pace.rate) {
-            let again = self.edge.is_some_and(|edge| sent < edge + span);
-            self.edge = Some(sent);
-            if !again {
+        if self.window_budget().is_some() && self.pace.rate.is_none() {
+            let edge = self
+                .since_edge
+                .is_none_or(|n| n >= 1.0 / (1.0 - params.margin));
+            self.since_edge = Some(0.0);
+            if edge {
                 return probed;
             }
         }
@@ -381,7 +388,9 @@ impl Budget {
         };
         self.accepted.clear();
         self.offered = (0, None);
-        self.pace.refused(&params, sent, now, held) | probed
+        let moved = self.pace.refused(&params, sent, now, held);
+        self.pace.paused(pause);
+        moved | probed
     }
 
     /// What the upstream delivered, per second, for all replicas: its accepted answers

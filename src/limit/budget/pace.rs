@@ -1,6 +1,8 @@
 //! The controller: the one law that moves a group's pace on refusals and calm rounds
 //! (docs/budget.md, "The controller").
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use super::Params;
@@ -55,8 +57,11 @@ pub struct Pace {
     /// Accepted answers (scaled by the replicas) in the current calm round.
     calm: f64,
     /// Accepted answers since the last refusal: the pace explores above the ceiling
-    /// after `1 / (1 − margin)` of them.
+    /// after `cost / (1 − margin)` of them.
     since_refusal: f64,
+    /// What the last refusal cost, in requests: itself, and those its pause held back
+    /// at the pace. Exploring costs at most `1 − margin` of the answers.
+    cost: f64,
 }
 
 impl Pace {
@@ -71,6 +76,7 @@ impl Pace {
             changed: None,
             calm: 0.0,
             since_refusal: 0.0,
+            cost: 1.0,
         }
     }
 
@@ -153,9 +159,9 @@ impl Pace {
             None => p.growth * rate,
             // Halfway to the pace refused, until the two are within the margin.
             Some(ceiling) if ceiling - held > (1.0 - p.margin) * ceiling => (held + ceiling) / 2.0,
-            // Close enough: explore above it, at most once per `1 / (1 − margin)`
-            // answers, so that at most `1 − margin` of them are refused.
-            Some(ceiling) if self.since_refusal >= 1.0 / (1.0 - p.margin) => {
+            // Close enough: explore above it, at most once per `cost / (1 − margin)`
+            // answers, so that what its refusals cost is at most `1 − margin` of them.
+            Some(ceiling) if self.since_refusal >= self.cost / (1.0 - p.margin) => {
                 self.since_refusal = 0.0;
                 let above = ceiling / p.margin;
                 self.ceiling = Some(above);
@@ -168,6 +174,11 @@ impl Pace {
         }
         self.set(next, now);
         true
+    }
+
+    /// The last refusal paused the group for `pause`: what it cost in requests.
+    pub fn paused(&mut self, pause: Duration) {
+        self.cost = 1.0 + pause.as_secs_f64() * self.rate.unwrap_or(0.0);
     }
 
     fn set(&mut self, rate: f64, now: Instant) {
@@ -202,7 +213,6 @@ impl Pace {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     const MS: Duration = Duration::from_millis(1);
 

@@ -127,6 +127,7 @@ impl Window {
         params: &Params,
         own: bool,
         share: f64,
+        trusted: bool,
     ) -> Option<Instant> {
         let mut at = now;
         if let (true, Some((quota, _)), Some(span)) = (own, self.budget(), self.span(params)) {
@@ -135,7 +136,10 @@ impl Window {
                 at = at.max(oldest + span);
             }
         }
-        if let Some(said) = self.said.filter(|s| !(own && self.ours(s, log, params))) {
+        let said = self
+            .said
+            .filter(|s| trusted && !(own && self.ours(s, log, params)));
+        if let Some(said) = said {
             let until = self.said_until(&said, params);
             let left = (said.remaining as f64 * share).floor() as u64;
             if let Some(until) = until.filter(|u| *u > now && left <= log.after(said.sent)) {
@@ -339,14 +343,14 @@ mod tests {
         assert_eq!(w.budget(), Some((5, S)));
         // Four more may leave at once.
         for i in 1..=4 {
-            assert_eq!(w.opens(&log, t0, &p, true, 1.0), None, "{i}");
+            assert_eq!(w.opens(&log, t0, &p, true, 1.0, true), None, "{i}");
             log.push(t0);
         }
         for r in (0..4).rev() {
             w.announced(&announce(5, r, 1700, S), t0, t0 + MS, &log);
         }
         // The sixth waits a window (and the margin) after the first, not 1.7 s.
-        let opens = w.opens(&log, t0 + MS, &p, true, 1.0);
+        let opens = w.opens(&log, t0 + MS, &p, true, 1.0, true);
         assert_eq!(opens, Some(t0 + S.div_f64(p.margin)));
     }
 
@@ -368,7 +372,7 @@ mod tests {
             }),
         };
         w.announced(&a, t0, t0, &log);
-        assert_eq!(w.opens(&log, t0, &p, true, 1.0), Some(t0 + S * 20));
+        assert_eq!(w.opens(&log, t0, &p, true, 1.0, true), Some(t0 + S * 20));
         // Told 3 remain: three may leave, the fourth waits.
         w.announced(
             &Announcement {
@@ -380,10 +384,13 @@ mod tests {
             &log,
         );
         for _ in 0..3 {
-            assert_eq!(w.opens(&log, t0, &p, true, 1.0), None);
+            assert_eq!(w.opens(&log, t0, &p, true, 1.0, true), None);
             log.push(t0 + MS);
         }
-        assert_eq!(w.opens(&log, t0 + MS, &p, true, 1.0), Some(t0 + S * 20));
+        assert_eq!(
+            w.opens(&log, t0 + MS, &p, true, 1.0, true),
+            Some(t0 + S * 20)
+        );
     }
 
     #[test]

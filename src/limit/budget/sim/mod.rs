@@ -83,6 +83,19 @@ async fn cell(family: Family, dialect: Dialect, told: Told, r: f64, run: Duratio
                         let mut l = limiter.lock().unwrap();
                         (l.decide(t, unix.as_secs_f64()), l.quota())
                     };
+                    if TRACE.with(|t| t.get()) {
+                        let s = group.status().budget;
+                        eprintln!(
+                            "{t:8.3} {} {:?} pace {:?} ceil {:?} win {:?}/{:?} rem {:?}",
+                            if decision.ok { "ok " } else { "429" },
+                            s.phase,
+                            s.pace_per_second.map(|p| (p * 100.0).round() / 100.0),
+                            s.ceiling_per_second.map(|p| (p * 100.0).round() / 100.0),
+                            s.window_quota,
+                            s.window_seconds,
+                            s.remaining
+                        );
+                    }
                     if t >= 1.0 {
                         let mut o = outcome.lock().unwrap();
                         o.arrived += 1;
@@ -250,4 +263,38 @@ fn every_cell_of_the_matrix_meets_the_targets_or_is_a_known_miss() {
         met.is_empty(),
         "known misses that meet every target now: {met:#?}"
     );
+}
+
+/// Prints one cell's run second by second: `SIM_CELL="SlidingCounter UnixCeil Exact 5"
+/// cargo test --lib trace_one_cell -- --ignored --nocapture`.
+#[test]
+#[ignore = "a tool for reading one cell"]
+fn trace_one_cell() {
+    let spec = std::env::var("SIM_CELL").unwrap_or_default();
+    let [family, dialect, told, r]: [&str; 4] = spec
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
+    let cell = matrix()
+        .into_iter()
+        .find(|(f, d, t, rate)| {
+            format!("{f:?}") == family
+                && format!("{d:?}") == dialect
+                && format!("{t:?}") == told
+                && *rate == r.parse::<f64>().unwrap()
+        })
+        .expect("a cell of the matrix");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    TRACE.with(|t| t.set(true));
+    let o = runtime.block_on(self::cell(cell.0, cell.1, cell.2, cell.3, run_of(cell.3)));
+    eprintln!("{o:?}");
+}
+
+thread_local! {
+    static TRACE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
