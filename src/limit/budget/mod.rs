@@ -6,7 +6,8 @@
 //!   answers it learns from;
 //! * `window` — an announced window spent as a budget;
 //! * `pace` — the controller;
-//! * `probe` — the first requests of a group told no rate.
+//! * `probe` — the first requests of a group told no rate;
+//! * `status` — what `/status` shows of it.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -17,10 +18,12 @@ mod pace;
 mod probe;
 #[cfg(test)]
 mod sim;
+mod status;
 mod window;
 
 pub use pace::{Held, Pace};
 use probe::Probe;
+pub use status::{Phase, Status};
 use window::{Log, Window};
 
 /// Every parameter of the model, with its default: docs/budget.md says why each is so.
@@ -37,10 +40,10 @@ pub struct Params {
     /// Accepted answers to requests sent under the current pace that make a calm round.
     pub calm: u32,
     /// How far back accepted answers count for what the upstream delivered.
-    #[serde(serialize_with = "seconds")]
+    #[serde(serialize_with = "status::seconds")]
     pub horizon: Duration,
     /// The longest a group told no rate probes, from its first request.
-    #[serde(serialize_with = "seconds")]
+    #[serde(serialize_with = "status::seconds")]
     pub probe_for: Duration,
 }
 
@@ -60,10 +63,6 @@ impl Default for Params {
     fn default() -> Params {
         Params::DEFAULT
     }
-}
-
-fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64())
 }
 
 /// What one answer announced of the upstream's budget.
@@ -87,54 +86,6 @@ pub struct Reset {
     /// How finely it is stated: 1 s for whole seconds, less for milliseconds or
     /// fractions.
     pub resolution: Duration,
-}
-
-/// A group's state in the model, as `/status` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Phase {
-    /// Told no rate, nothing learned yet: the first requests probe.
-    Probing,
-    /// Only the configured rates (if any) hold it.
-    Open,
-    /// An announced window is spent as a budget.
-    Windowed,
-    /// A pace learned from refusals holds it.
-    Paced,
-    /// Both.
-    WindowedPaced,
-}
-
-impl Phase {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Probing => "probing",
-            Phase::Open => "open",
-            Phase::Windowed => "windowed",
-            Phase::Paced => "paced",
-            Phase::WindowedPaced => "windowed-paced",
-        }
-    }
-}
-
-/// What `/status` shows of a group's budget.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Status {
-    /// The state.
-    pub phase: Phase,
-    /// The learned pace, per second.
-    pub pace_per_second: Option<f64>,
-    /// The pace last refused, per second.
-    pub ceiling_per_second: Option<f64>,
-    /// The announced quota per window.
-    pub window_quota: Option<u64>,
-    /// The window's length, in seconds.
-    pub window_seconds: Option<f64>,
-    /// What the upstream last said remains.
-    pub remaining: Option<u64>,
-    /// The model's parameters.
-    pub params: Params,
 }
 
 /// How many accepted answers are kept for what the upstream delivered.
@@ -282,32 +233,6 @@ impl Budget {
             }
         }
         moved
-    }
-
-    /// The state, for `/status`.
-    pub fn status(&self, now: Instant) -> Status {
-        let window = self.window.as_ref();
-        let budget = window.and_then(Window::budget);
-        let phase = match (
-            self.probing(now),
-            window.is_some(),
-            self.pace.rate.is_some(),
-        ) {
-            (_, true, true) => Phase::WindowedPaced,
-            (_, true, false) => Phase::Windowed,
-            (_, false, true) => Phase::Paced,
-            (true, false, false) => Phase::Probing,
-            (false, false, false) => Phase::Open,
-        };
-        Status {
-            phase,
-            pace_per_second: self.pace.rate,
-            ceiling_per_second: self.pace.ceiling,
-            window_quota: budget.map(|(q, _)| q),
-            window_seconds: budget.map(|(_, w)| w.as_secs_f64()),
-            remaining: window.and_then(Window::remaining),
-            params: self.params,
-        }
     }
 
     /// An answer to a request that left at `sent` announced `a` at `now`. Returns
