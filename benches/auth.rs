@@ -18,7 +18,7 @@ use std::time::Duration;
 use base64::Engine;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use http::HeaderValue;
-use tollgate::access::auth::Users;
+use tollgate::parts::Users;
 
 /// `htpasswd -B`'s default cost.
 const COST: u32 = 5;

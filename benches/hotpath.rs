@@ -21,12 +21,12 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Version};
 use tokio::time::Instant;
-use tollgate::access::Policy;
-use tollgate::classify::Classifier;
 use tollgate::config::Config;
-use tollgate::limit::{Limits, Store};
-use tollgate::metrics::Metrics;
-use tollgate::upstream::{add_via, set_host, strip_hop_by_hop};
+use tollgate::parts::Classifier;
+use tollgate::parts::Metrics;
+use tollgate::parts::Policy;
+use tollgate::parts::{add_via, set_host, strip_hop_by_hop};
+use tollgate::parts::{Limits, Store};
 
 fn limits(defaults: &str) -> Limits {
     let config = Config::parse(&format!("[defaults]\n{defaults}\n"), "bench").unwrap();
@@ -146,7 +146,7 @@ fn access(c: &mut Criterion) {
     });
     // What every request's host goes through before anything matches on it.
     c.bench_function("access/canonical_host", |b| {
-        b.iter(|| black_box(tollgate::host::canonical(black_box("API.GitHub.com"))))
+        b.iter(|| black_box(tollgate::parts::canonical(black_box("API.GitHub.com"))))
     });
 }
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use rustls::pki_types::ServerName;
-use tollgate::intercept::{Ca, Leaves, LEAF_CACHE};
+use tollgate::parts::{Ca, Leaves, LEAF_CACHE};
 
 fn new_leaves() -> (Leaves, String) {
     let (cert, key) = Ca::generate("bench CA").unwrap();

@@ -26,9 +26,9 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use tokio::runtime::Runtime;
 use tokio::time::Instant;
 use tollgate::config::{Config, GroupSettings, Rate};
-use tollgate::limit::gcra::{self, Gcra};
-use tollgate::limit::{Group, Limits, Store};
-use tollgate::metrics::Metrics;
+use tollgate::parts::Metrics;
+use tollgate::parts::{gcra, Gcra};
+use tollgate::parts::{Group, Limits, Store};
 
 /// Distinct hosts in the many-groups benchmarks.
 const HOSTS: usize = 100_000;
@@ -277,7 +277,7 @@ const WAITERS: usize = 10_000;
 
 /// A group at 1/h whose only burst slot is taken: everyone else waits, without a
 /// deadline.
-async fn slow_group() -> (Arc<Group>, tollgate::limit::Permit) {
+async fn slow_group() -> (Arc<Group>, tollgate::parts::Permit) {
     let grp = group(|s| {
         s.rates = vec![Rate {
             limit: 1,

@@ -44,7 +44,7 @@ async fn tollgate() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        tollgate::server::run(listener, None, config, std::future::pending())
+        tollgate::run(listener, None, config, std::future::pending())
             .await
             .unwrap();
     });

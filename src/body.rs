@@ -1,4 +1,5 @@
-//! The one body type that flows through the service stack.
+//! The one body type that flows from a client through the proxy to an upstream and
+//! back.
 //!
 //! Request and response bodies stream: an `Incoming` body from hyper is boxed, not
 //! collected, so a 200 MB upload or download passes with flat memory.

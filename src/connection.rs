@@ -28,7 +28,8 @@ use crate::body::{self, Body, Holding};
 use crate::classify::Inside;
 use crate::half_close::{HalfClose, Sending};
 use crate::proxy::Proxy;
-use crate::tunnel::{Intercepted, KeepWhileOpen};
+use crate::relay::KeepWhileOpen;
+use crate::tunnel::Intercepted;
 
 /// At shutdown, how long a new connection that has sent nothing yet may take to show
 /// its first bytes before it is closed (a request already under way is served).
@@ -151,7 +152,8 @@ impl Client {
                 let open = Arc::new(Idle::opened(&idle));
                 if req.method() == Method::CONNECT {
                     // A tunnel is an open stream until it closes, long after its `200`.
-                    req.extensions_mut().insert(KeepWhileOpen(open.clone()));
+                    req.extensions_mut()
+                        .insert(KeepWhileOpen::new(open.clone()));
                 }
                 async move {
                     let response = client.answer(req).await;

@@ -12,8 +12,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 
 use crate::body::{self, Body};
 
-/// The name tollgate uses for itself in `Proxy-Status` and `Via`.
-pub const PROXY_NAME: &str = "tollgate";
+use crate::access::PROXY_NAME;
 
 /// A request tollgate could not carry through, and why.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -185,6 +184,17 @@ fn list_routes(routes: &[String]) -> String {
         "no routes are configured; use this address as HTTP_PROXY, or add a [[route]]".into()
     } else {
         format!("routes: {}", routes.join(", "))
+    }
+}
+
+impl From<crate::access::Refused> for ProxyError {
+    fn from(refused: crate::access::Refused) -> ProxyError {
+        use crate::access::Refused;
+        match refused {
+            Refused::Client { client } => ProxyError::ClientDenied { client },
+            Refused::AuthRequired => ProxyError::ProxyAuthRequired,
+            Refused::Loop { via } => ProxyError::LoopDetected { via },
+        }
     }
 }
 

@@ -19,7 +19,7 @@
 //! * [`limit`] — groups: the FIFO queue, the rate (GCRA, in memory or in Redis), the
 //!   pause and concurrency permits, the probe of a group told no rate, and the rate
 //!   learned from the upstream;
-//! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways;
+//! * [`tunnel`] — CONNECT: dial, answer 200, copy bytes both ways ([`relay`]);
 //! * [`intercept`] — or, for hosts in `[intercept]`, serve the tunnel with a
 //!   certificate for its host, so each request inside goes through this path again;
 //! * [`upstream`] — pooled hyper connections over rustls, timeouts, hop-by-hop headers;
@@ -31,7 +31,8 @@
 //! * [`shutdown`] — queued requests answered `503` once the grace is over, and counts.
 //!
 //! Around them: [`config`] (the `config.toml` contract, checked at start with
-//! file:line:column errors; [`reload`] reads it again on SIGHUP or `POST /reload`),
+//! file:line:column errors; [`external`] reads the files it names; [`reload`] reads it
+//! again on SIGHUP or `POST /reload`),
 //! [`body`] (the one streamed body type), [`metrics`] and [`admin`] (a dashboard,
 //! `/metrics`, `/healthz`, `/status` on their own listener), [`health`] (`tollgate health`, the container's check of `/healthz`),
 //! [`precise_sleep`] (the queue's head waits for its slot on a kernel timer), and
@@ -40,30 +41,55 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod access;
-pub mod access_log;
-pub mod admin;
-pub mod body;
-pub mod classify;
+mod access;
+mod access_log;
+mod admin;
+mod body;
+mod classify;
 pub mod config;
-pub mod connection;
+mod connection;
 pub mod descriptors;
-pub mod error;
-pub mod half_close;
+mod error;
+pub mod external;
+mod half_close;
 pub mod health;
-pub mod host;
-pub mod intercept;
-pub mod limit;
-pub mod metrics;
-pub mod path;
-pub mod precise_sleep;
-pub mod proxy;
-pub mod pushback;
-pub mod ratelimit_headers;
-pub mod reload;
-pub mod replay;
-pub mod retry_after;
-pub mod server;
-pub mod shutdown;
-pub mod tunnel;
-pub mod upstream;
+mod host;
+mod intercept;
+#[cfg(test)]
+mod layers;
+mod limit;
+mod metrics;
+mod path;
+mod precise_sleep;
+mod proxy;
+mod pushback;
+mod ratelimit_headers;
+mod relay;
+mod reload;
+mod replay;
+mod retry_after;
+mod server;
+mod shutdown;
+mod tunnel;
+mod upstream;
+
+pub use intercept::{init as init_ca, InitError};
+pub use server::{run, Sockets};
+
+/// What the benchmarks and the integration tests use below the binary's surface, to
+/// measure or test one part on its own: the throttle, the header parsers, the access
+/// policy, interception's certificates and the Lua scripts of the shared store. Not a
+/// stable API: it follows the code.
+pub mod parts {
+    pub use crate::access::{Policy, Users};
+    pub use crate::classify::Classifier;
+    pub use crate::host::canonical;
+    pub use crate::intercept::{Ca, Leaves, LEAF_CACHE};
+    pub use crate::limit::gcra::{self, Gcra};
+    pub use crate::limit::redis::{PAUSE, PAUSE_KEYS, RESERVE, RESERVE_KEYS};
+    pub use crate::limit::{Group, Limits, Permit, Store};
+    pub use crate::metrics::Metrics;
+    pub use crate::ratelimit_headers::pause_hint;
+    pub use crate::retry_after::{backoff, retry_after};
+    pub use crate::upstream::{add_via, set_host, strip_hop_by_hop};
+}

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tollgate::config::Config;
-use tollgate::server::Sockets;
+use tollgate::Sockets;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;
@@ -139,7 +139,7 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
     };
     // The files and the Redis URL the config names, checked before anything listens;
     // without side effects (nothing is dialled), so check-config may run anywhere.
-    if let Err(e) = config.check_external() {
+    if let Err(e) = tollgate::external::check(&config) {
         eprintln!("tollgate: {e}");
         return ExitCode::from(EXIT_BAD_CONFIG);
     }
@@ -177,7 +177,7 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
     };
     let listen = sockets.local_addr().unwrap_or(listen);
     tracing::info!(%listen, threads, "tollgate listening");
-    match tollgate::server::run(sockets, admin, config, shutdown_signal()).await {
+    match tollgate::run(sockets, admin, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: {e}");
@@ -201,7 +201,7 @@ fn health(url: &str, timeout: f64) -> ExitCode {
 
 /// `tollgate ca init`: writes a new CA and says how to trust it.
 fn ca_init(dir: &std::path::Path) -> ExitCode {
-    let (cert, key) = match tollgate::intercept::init(dir) {
+    let (cert, key) = match tollgate::init_ca(dir) {
         Ok(paths) => paths,
         Err(e) => {
             eprintln!("tollgate: {e}");

@@ -14,7 +14,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// The label of per-group series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -214,106 +214,113 @@ impl Default for Metrics {
     }
 }
 
+/// A series' name and help, as `/metrics` shows them.
+type Series = (&'static str, &'static str);
+
+const QUEUE_DEPTH: Series = (
+    "tollgate_queue_depth",
+    "Requests waiting in the group's queue",
+);
+const IN_FLIGHT: Series = (
+    "tollgate_in_flight",
+    "Requests of the group in flight to the upstream (or open tunnels)",
+);
+const REQUESTS: Series = (
+    "tollgate_requests",
+    "Requests by group and what the throttle did with them",
+);
+const QUEUE_WAIT: Series = (
+    "tollgate_queue_wait_seconds",
+    "Time requests spent queued before leaving for the upstream",
+);
+const PAUSES: Series = (
+    "tollgate_upstream_pauses",
+    "Pauses of the group imposed by the upstream (429/503, rate-limit headers)",
+);
+const PAUSE_SECONDS: Series = (
+    "tollgate_upstream_pause_seconds",
+    "Length of the pauses imposed by the upstream",
+);
+const RETRIES: Series = (
+    "tollgate_retries",
+    "Requests sent again after the upstream pushed back",
+);
+const PASSED_THROUGH: Series = (
+    "tollgate_pushback_passed_through",
+    "Push-back responses (429/503) handed to the client unchanged",
+);
+const UPSTREAM_RESPONSES: Series = (
+    "tollgate_upstream_responses",
+    "Upstream answers by group and status code (every attempt, replays included)",
+);
+const UPSTREAM_DURATION: Series = (
+    "tollgate_upstream_duration_seconds",
+    "Time from sending a request upstream to its response head",
+);
+const UPSTREAM_ERRORS: Series = (
+    "tollgate_upstream_errors",
+    "Requests that got no upstream answer, by group and Proxy-Status error type",
+);
+const CONFIG_RELOADS: Series = (
+    "tollgate_config_reloads",
+    "Reloads of the configuration that took effect",
+);
+const CONFIG_RELOAD_FAILURES: Series = (
+    "tollgate_config_reload_failures",
+    "Reloads refused: nothing changed (the log says why)",
+);
+const CLIENT_CONNECTIONS: Series = (
+    "tollgate_client_connections",
+    "Client connections open now, idle ones and those with a request waiting",
+);
+const LEARNED: Series = (
+    "tollgate_learned_pace",
+    "Requests per second the group keeps to, learned from the upstream's refusals",
+);
+
+/// `metric`, registered in `registry` as `series`.
+fn registered<M: Metric + Clone>(registry: &mut Registry, series: Series, metric: M) -> M {
+    registry.register(series.0, series.1, metric.clone());
+    metric
+}
+
 impl Metrics {
     /// Registers every family.
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
-        let queue_depth = Family::<GroupLabel, Gauge>::default();
-        let in_flight = Family::<GroupLabel, Gauge>::default();
-        let requests = Family::<OutcomeLabels, Counter>::default();
-        // 1 ms to ~65 s: from "no wait" to the default max_wait.
-        let queue_wait: HistogramFamily =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17)));
-        registry.register(
-            "tollgate_queue_depth",
-            "Requests waiting in the group's queue",
-            queue_depth.clone(),
+        let r = &mut registry;
+        // Buckets, in seconds: 1 ms to ~65 s (from "no wait" to the default max_wait,
+        // and up to the default response_timeout); 10 ms to ~11 min (from a short
+        // Retry-After to the default max_pause).
+        let ms_to_minute = || Histogram::new(exponential_buckets(0.001, 2.0, 17));
+        let pause_buckets = || Histogram::new(exponential_buckets(0.01, 2.0, 17));
+        let queue_depth = registered(r, QUEUE_DEPTH, Family::default());
+        let in_flight = registered(r, IN_FLIGHT, Family::default());
+        let requests = registered(r, REQUESTS, Family::default());
+        let queue_wait = registered(
+            r,
+            QUEUE_WAIT,
+            HistogramFamily::new_with_constructor(ms_to_minute),
         );
-        registry.register(
-            "tollgate_in_flight",
-            "Requests of the group in flight to the upstream (or open tunnels)",
-            in_flight.clone(),
+        let pauses = registered(r, PAUSES, Family::default());
+        let pause_seconds = registered(
+            r,
+            PAUSE_SECONDS,
+            HistogramFamily::new_with_constructor(pause_buckets),
         );
-        registry.register(
-            "tollgate_requests",
-            "Requests by group and what the throttle did with them",
-            requests.clone(),
+        let retries = registered(r, RETRIES, Family::default());
+        let passed_through = registered(r, PASSED_THROUGH, Family::default());
+        let upstream_responses = registered(r, UPSTREAM_RESPONSES, Family::default());
+        let upstream_duration = registered(
+            r,
+            UPSTREAM_DURATION,
+            HistogramFamily::new_with_constructor(ms_to_minute),
         );
-        registry.register(
-            "tollgate_queue_wait_seconds",
-            "Time requests spent queued before leaving for the upstream",
-            queue_wait.clone(),
-        );
-        let pauses = Family::<GroupLabel, Counter>::default();
-        // 10 ms to ~11 min: from a short Retry-After to the default max_pause.
-        let pause_seconds: HistogramFamily =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.01, 2.0, 17)));
-        let retries = Family::<GroupLabel, Counter>::default();
-        let passed_through = Family::<GroupLabel, Counter>::default();
-        registry.register(
-            "tollgate_upstream_pauses",
-            "Pauses of the group imposed by the upstream (429/503, rate-limit headers)",
-            pauses.clone(),
-        );
-        registry.register(
-            "tollgate_upstream_pause_seconds",
-            "Length of the pauses imposed by the upstream",
-            pause_seconds.clone(),
-        );
-        registry.register(
-            "tollgate_retries",
-            "Requests sent again after the upstream pushed back",
-            retries.clone(),
-        );
-        registry.register(
-            "tollgate_pushback_passed_through",
-            "Push-back responses (429/503) handed to the client unchanged",
-            passed_through.clone(),
-        );
-        let upstream_responses = Family::<StatusLabels, Counter>::default();
-        // 1 ms to ~65 s: up to the default response_timeout.
-        let upstream_duration: HistogramFamily =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17)));
-        let upstream_errors = Family::<KindLabels, Counter>::default();
-        registry.register(
-            "tollgate_upstream_responses",
-            "Upstream answers by group and status code (every attempt, replays included)",
-            upstream_responses.clone(),
-        );
-        registry.register(
-            "tollgate_upstream_duration_seconds",
-            "Time from sending a request upstream to its response head",
-            upstream_duration.clone(),
-        );
-        registry.register(
-            "tollgate_upstream_errors",
-            "Requests that got no upstream answer, by group and Proxy-Status error type",
-            upstream_errors.clone(),
-        );
-        let config_reloads = Counter::default();
-        let config_reload_failures = Counter::default();
-        registry.register(
-            "tollgate_config_reloads",
-            "Reloads of the configuration that took effect",
-            config_reloads.clone(),
-        );
-        registry.register(
-            "tollgate_config_reload_failures",
-            "Reloads refused: nothing changed (the log says why)",
-            config_reload_failures.clone(),
-        );
-        let client_connections = Gauge::default();
-        registry.register(
-            "tollgate_client_connections",
-            "Client connections open now, idle ones and those with a request waiting",
-            client_connections.clone(),
-        );
-        let learned = Family::<GroupLabel, RateGauge>::default();
-        registry.register(
-            "tollgate_learned_pace",
-            "Requests per second the group keeps to, learned from the upstream's refusals",
-            learned.clone(),
-        );
+        let upstream_errors = registered(r, UPSTREAM_ERRORS, Family::default());
+        let config_reloads = registered(r, CONFIG_RELOADS, Counter::default());
+        let config_reload_failures = registered(r, CONFIG_RELOAD_FAILURES, Counter::default());
+        let client_connections = registered(r, CLIENT_CONNECTIONS, Gauge::default());
+        let learned = registered(r, LEARNED, Family::default());
         Metrics {
             config_reloads,
             config_reload_failures,

@@ -2,8 +2,9 @@
 //! the refused request is sent again for the client.
 //!
 //! [`judge`] decides what an answer means, as a pure function; [`after_answer`] acts on
-//! it (pause the group, count, retry or hand the answer over); [`Replayable`] keeps
-//! what is needed to send a request again. The request path (`proxy.rs`) sends a retry
+//! it (pause the group, count, retry or hand the answer over);
+//! [`crate::replay::Replayable`] keeps what is needed to send a request again. The
+//! request path (`proxy.rs`) sends a retry
 //! back through its group, at the head of the queue, behind the pause it caused, and
 //! within the `max_wait` counted from the client's first arrival.
 //!
@@ -18,19 +19,15 @@
 
 use std::hash::{BuildHasher, Hasher};
 use std::ops::ControlFlow;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue, Request, Response, Uri};
+use http::{header, HeaderMap, Response};
 use tokio::time::Instant;
 
-use crate::body::{self, Body, Buffered};
+use crate::body::Body;
 use crate::config::GroupSettings;
-use crate::error::ProxyError;
 use crate::limit::Group;
 use crate::ratelimit_headers::{announced, names_a_rate_limit, pause_hint};
-use crate::replay::{ReplayMemory, Reservation};
 use crate::retry_after::{backoff, retry_after};
 
 /// What a response means for its group.
@@ -96,139 +93,6 @@ pub fn judge(
 
 /// The pause after a bare refusal from a paced group, as a fraction of its interval.
 pub const BARE_MARGIN: f64 = 0.1;
-
-/// A request that may have to be sent more than once.
-pub enum Replayable {
-    /// Its body is still to be read ([`Replayable::read_body`]).
-    Unread(Option<Request<Body>>),
-    /// The body is in memory: the request can be rebuilt for every attempt. The head is
-    /// a copy of its own (see [`Replayable::new`]); the extensions go with the first
-    /// attempt.
-    Buffered {
-        /// The request head.
-        parts: http::request::Parts,
-        /// The whole body.
-        body: Bytes,
-        /// The body's share of `replay_memory` (none for an empty body).
-        memory: Option<Reservation>,
-    },
-    /// The body streams: one attempt only (taken by the first).
-    Once(Option<Request<Body>>),
-}
-
-impl Replayable {
-    /// `req`, ready to be sent when it has no body (nearly every request), else to have
-    /// its body read ([`Replayable::read_body`]).
-    ///
-    /// The head and body kept for the attempts are copies: hyper parses a request in
-    /// place, its URI, header values and a small body being slices of the connection's
-    /// read buffer, which a waiting request would otherwise keep allocated, so that
-    /// hyper needs a second one to notice the client leave (a few KiB per waiting
-    /// request on a kept-alive connection).
-    pub fn new(req: Request<Body>) -> Replayable {
-        if !http_body::Body::is_end_stream(req.body()) {
-            return Replayable::Unread(Some(req));
-        }
-        let (parts, _) = req.into_parts();
-        Replayable::Buffered {
-            parts: owned_head(parts),
-            body: Bytes::new(),
-            memory: None,
-        }
-    }
-
-    /// Reads the body into memory if it is at most `limit` bytes and fits in `memory`
-    /// (reserved at its largest: its length, else `limit`); otherwise it will stream
-    /// through once. Reading it before the wait also lets hyper notice a client that
-    /// leaves while its request waits (it only looks once the request body has been
-    /// read), so the request is never sent.
-    pub async fn read_body(
-        &mut self,
-        limit: u64,
-        memory: &Arc<ReplayMemory>,
-    ) -> Result<(), ProxyError> {
-        let Replayable::Unread(req) = self else {
-            return Ok(());
-        };
-        let hint = http_body::Body::size_hint(req.as_ref().expect("read once").body());
-        let largest = hint.upper().unwrap_or(limit).min(limit);
-        let reserved = match hint.lower() <= limit {
-            true => memory.reserve(largest),
-            false => None,
-        };
-        let Some(mut reserved) = reserved else {
-            // Too big to replay, or no room: not read ahead at all.
-            *self = Replayable::Once(req.take());
-            return Ok(());
-        };
-        let (parts, body) = req.take().expect("read once").into_parts();
-        // Boxed: few requests have a body, and this state would size every one's future.
-        let read = Box::pin(body::read_up_to(body, limit));
-        let read = read.await.map_err(|e| ProxyError::request_body(&e))?;
-        *self = match read {
-            Buffered::Complete(bytes) => {
-                reserved.shrink_to(bytes.len() as u64);
-                Replayable::Buffered {
-                    parts: owned_head(parts),
-                    body: bytes,
-                    memory: Some(reserved),
-                }
-            }
-            // The part already read stays in memory until it has streamed: so does
-            // its share of the budget.
-            Buffered::Streaming(body) => {
-                let body = body::boxed(body::Holding::new(body, reserved));
-                Replayable::Once(Some(Request::from_parts(parts, body)))
-            }
-        };
-        Ok(())
-    }
-
-    /// Whether the request can be sent again.
-    pub fn can_replay(&self) -> bool {
-        matches!(self, Replayable::Buffered { .. })
-    }
-
-    /// The request for attempt `attempt` (0 for the first).
-    pub fn attempt(&mut self, attempt: u32) -> Request<Body> {
-        match self {
-            Replayable::Buffered { parts, body, .. } => {
-                let body = if body.is_empty() {
-                    body::empty()
-                } else {
-                    body::full(body.clone())
-                };
-                let mut req = Request::new(body);
-                *req.method_mut() = parts.method.clone();
-                *req.uri_mut() = parts.uri.clone();
-                *req.version_mut() = parts.version;
-                *req.headers_mut() = parts.headers.clone();
-                if attempt == 0 {
-                    *req.extensions_mut() = std::mem::take(&mut parts.extensions);
-                }
-                req
-            }
-            Replayable::Once(req) | Replayable::Unread(req) => {
-                req.take().expect("a streamed request is sent once")
-            }
-        }
-    }
-}
-
-/// `parts` with a URI and header values that share no memory with the buffer they were
-/// parsed from.
-fn owned_head(mut parts: http::request::Parts) -> http::request::Parts {
-    if let Ok(uri) = Uri::try_from(parts.uri.to_string()) {
-        parts.uri = uri;
-    }
-    for value in parts.headers.values_mut() {
-        if let Ok(mut copy) = HeaderValue::from_bytes(value.as_bytes()) {
-            copy.set_sensitive(value.is_sensitive());
-            *value = copy;
-        }
-    }
-    parts
-}
 
 /// When an answer came: our wall clock then (`None`: read it when a header needs it,
 /// which nearly no answer does), and where the backoff's jitter comes from (the

@@ -71,10 +71,32 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::header::{HeaderMap, HeaderName, DATE};
 
-use crate::limit::budget::{Announcement, Reset};
 use crate::retry_after::{is_ows, until, upstream_now};
 
 mod sf;
+
+/// What one answer announced of the upstream's budget.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Announcement {
+    /// Requests per window (`*-Limit`, `q`).
+    pub quota: Option<u64>,
+    /// The window, when the upstream says it (`w` of `RateLimit-Policy`).
+    pub window: Option<Duration>,
+    /// Requests left in the current window (`*-Remaining`, `r`).
+    pub remaining: Option<u64>,
+    /// When the window resets.
+    pub reset: Option<Reset>,
+}
+
+/// A window's reset as an answer states it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reset {
+    /// From the answer to the reset, on the upstream's clock.
+    pub after: Duration,
+    /// How finely it is stated: 1 s for whole seconds, less for milliseconds or
+    /// fractions.
+    pub resolution: Duration,
+}
 
 const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
@@ -113,7 +135,7 @@ pub fn names_a_rate_limit(headers: &HeaderMap) -> bool {
 /// ```
 /// use std::time::{Duration, SystemTime};
 /// use http::HeaderMap;
-/// use tollgate::ratelimit_headers::pause_hint;
+/// use tollgate::parts::pause_hint;
 ///
 /// let mut headers = HeaderMap::new();
 /// headers.insert("ratelimit", r#""default";r=0;t=30"#.parse().unwrap());
@@ -150,7 +172,7 @@ pub fn pause_hint(headers: &HeaderMap, now: SystemTime, max_pause: Duration) -> 
 }
 
 /// The budget these response headers announce, for the group's window
-/// ([`crate::limit::budget`]): the quota and window of the slowest `RateLimit-Policy`
+/// (docs/budget.md): the quota and window of the slowest `RateLimit-Policy`
 /// policy (`q` per `w`), and the remaining quota and reset of the first family that
 /// says them: `X-RateLimit-*` (GitHub's among them), `RateLimit-Limit`/`-Remaining`/
 /// `-Reset`, or the `RateLimit` field (either draft form). `now` is our wall clock at

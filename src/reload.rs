@@ -13,38 +13,13 @@
 //! pure, from the two configurations.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::SystemTime;
 
-use crate::config::Config;
+#[cfg(test)]
+use crate::config::Source;
+use crate::config::{Config, ConfigError};
 use crate::metrics::Metrics;
-
-/// Which file a configuration came from, as written in it, and when it was loaded.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Source {
-    /// The file as given.
-    pub path: PathBuf,
-    /// SHA-256 of its text, hex.
-    pub sha256: String,
-    /// `[proxy] listen` as written (the command line may override it).
-    pub listen: Option<SocketAddr>,
-    /// `[admin] listen` as written.
-    pub admin: Option<SocketAddr>,
-}
-
-impl Source {
-    /// The source of `config`, parsed from `text` read from `path`.
-    pub fn of(path: PathBuf, text: &str, config: &Config) -> Source {
-        let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
-        Source {
-            path,
-            sha256: digest.as_ref().iter().map(|b| format!("{b:02x}")).collect(),
-            listen: Some(config.proxy.listen),
-            admin: config.admin.as_ref().map(|a| a.listen),
-        }
-    }
-}
 
 /// The configuration in force, for `/status`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -67,6 +42,25 @@ impl Loaded {
             loaded_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
         }
     }
+}
+
+/// Why a reload was refused; nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// tollgate was started without a configuration file.
+    #[error("tollgate was started without a configuration file")]
+    NoFile,
+    /// The file is not a usable configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// It changes settings that only a restart applies.
+    #[error("{path}: {settings} changed: restart tollgate to apply it (nothing was reloaded)")]
+    NeedsRestart {
+        /// The file.
+        path: String,
+        /// The settings, as written in the file's tables.
+        settings: String,
+    },
 }
 
 /// The settings that `new` changes from `old` and that only a restart applies.
@@ -130,18 +124,18 @@ impl Reload {
 
     /// The file read again and checked, with the bound addresses in place of those
     /// it names; `Err` says why it cannot be used.
-    pub fn read(&self) -> Result<Config, String> {
+    pub fn read(&self) -> Result<Config, ReloadError> {
         let Some(source) = &self.started.source else {
-            return Err("tollgate was started without a configuration file".into());
+            return Err(ReloadError::NoFile);
         };
-        let mut config = Config::load(&source.path).map_err(|e| e.to_string())?;
-        let changed = needs_restart(&self.started, &config);
-        if !changed.is_empty() {
-            return Err(format!(
-                "{}: {} changed: restart tollgate to apply it (nothing was reloaded)",
-                source.path.display(),
-                changed.join(", ")
-            ));
+        let mut config = Config::load(&source.path)?;
+        crate::external::check(&config)?;
+        let settings = needs_restart(&self.started, &config);
+        if !settings.is_empty() {
+            return Err(ReloadError::NeedsRestart {
+                path: source.path.display().to_string(),
+                settings: settings.join(", "),
+            });
         }
         config.proxy.listen = self.listen;
         if let (Some(admin), Some(listen)) = (&mut config.admin, self.admin) {
@@ -151,7 +145,7 @@ impl Reload {
     }
 
     /// Logs and counts what a reload came to.
-    pub fn record(&self, answer: &Result<Loaded, String>, metrics: &Metrics) {
+    pub fn record(&self, answer: &Result<Loaded, ReloadError>, metrics: &Metrics) {
         match answer {
             Ok(loaded) => {
                 metrics.config_reloads.inc();

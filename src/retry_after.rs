@@ -38,7 +38,7 @@ use std::time::{Duration, SystemTime};
 ///
 /// ```
 /// use std::time::{Duration, SystemTime};
-/// use tollgate::retry_after::retry_after;
+/// use tollgate::parts::retry_after;
 ///
 /// let max = Duration::from_secs(600);
 /// let now = SystemTime::now();
@@ -88,7 +88,7 @@ pub fn retry_after(
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate::retry_after::backoff;
+/// use tollgate::parts::backoff;
 ///
 /// let max = Duration::from_secs(600);
 /// assert_eq!(backoff(0, max, 0.0), Duration::from_millis(500));

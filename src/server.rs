@@ -135,29 +135,13 @@ pub async fn run(
     let (release, released) = tokio::sync::watch::channel(false);
     let mut others = Vec::new();
     for (thread, socket) in (1..).zip(sockets.others) {
-        let (proxy, settings) = (proxy.clone(), settings.clone());
-        let stopped = stop.clone().cancelled_owned();
-        let mut released = released.clone();
-        let (drained, done) = tokio::sync::oneshot::channel::<()>();
-        let handle = std::thread::Builder::new()
-            .name(format!("tollgate-{thread}"))
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("the tokio runtime starts");
-                runtime.block_on(async move {
-                    match TcpListener::from_std(socket) {
-                        Ok(listener) => serve(listener, proxy, &settings, stopped).await,
-                        // Only if epoll refuses a socket; the other threads go on.
-                        Err(e) => tracing::error!(thread, error = %e, "cannot accept"),
-                    }
-                    drop(drained);
-                    let _ = released.wait_for(|r| *r).await;
-                });
-            })
-            .expect("a serving thread starts");
-        others.push((handle, done));
+        let serving = Serving {
+            proxy: proxy.clone(),
+            settings: settings.clone(),
+            stop: stop.clone(),
+            released: released.clone(),
+        };
+        others.push(serving.spawn(thread, socket));
     }
     let shutdown = async {
         shutdown.await;
@@ -181,6 +165,58 @@ pub async fn run(
         "shut down"
     );
     Ok(())
+}
+
+/// What a serving thread besides the first shares with the others.
+struct Serving {
+    proxy: Arc<Proxy>,
+    settings: Arc<Settings>,
+    /// Cancelled when the threads stop accepting.
+    stop: CancellationToken,
+    /// Turns true once every thread has drained: only then does a runtime end.
+    released: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Serving {
+    /// Serves `socket` on thread number `thread`, a runtime of its own. Returns the
+    /// thread, and a receiver that completes once it has drained.
+    fn spawn(
+        self,
+        thread: usize,
+        socket: std::net::TcpListener,
+    ) -> (
+        std::thread::JoinHandle<()>,
+        tokio::sync::oneshot::Receiver<()>,
+    ) {
+        let Serving {
+            proxy,
+            settings,
+            stop,
+            mut released,
+        } = self;
+        let (drained, done) = tokio::sync::oneshot::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name(format!("tollgate-{thread}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the tokio runtime starts");
+                runtime.block_on(async move {
+                    match TcpListener::from_std(socket) {
+                        Ok(listener) => {
+                            serve(listener, proxy, &settings, stop.cancelled_owned()).await
+                        }
+                        // Only if epoll refuses a socket; the other threads go on.
+                        Err(e) => tracing::error!(thread, error = %e, "cannot accept"),
+                    }
+                    drop(drained);
+                    let _ = released.wait_for(|r| *r).await;
+                });
+            })
+            .expect("a serving thread starts");
+        (handle, done)
+    }
 }
 
 /// What every serving thread needs to know, built once.
@@ -278,8 +314,20 @@ async fn serve(
         });
     }
     drop(listener);
+    drain_and_cut(&proxy, &connections, &drain, &cut, settings.grace).await;
+    tick.abort();
+}
 
-    let grace = settings.grace;
+/// Shutdown of one thread's connections: `drain` asks them to finish the request in
+/// hand; after `grace`, requests still queued are answered `503`, and `cut` closes
+/// what is left, tunnels too.
+async fn drain_and_cut(
+    proxy: &Proxy,
+    connections: &TaskTracker,
+    drain: &CancellationToken,
+    cut: &CancellationToken,
+    grace: Duration,
+) {
     let thread = std::thread::current();
     proxy.shutdown().begin();
     tracing::info!(
@@ -315,7 +363,6 @@ async fn serve(
         // The cut tasks end at their next poll; let them, so nothing outlives `run`.
         let _ = tokio::time::timeout(ANSWER_AT_SHUTDOWN, drained()).await;
     }
-    tick.abort();
 }
 
 /// Reloads the configuration on every SIGHUP until `stop` (an operator's `kill -HUP`,

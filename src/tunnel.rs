@@ -6,27 +6,16 @@
 //! copied both ways until either side closes. Tunnels outlive the HTTP exchange, so they
 //! run on a [`TaskTracker`] that shutdown waits for.
 
-use std::any::Any;
-use std::sync::Arc;
-use std::time::Duration;
-
 use http::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
 use crate::classify::Target;
 use crate::error::ProxyError;
+use crate::relay::{relay, KeepWhileOpen};
 use crate::upstream::Dialer;
-
-/// Something the client's connection needs kept alive while a tunnel opened on it is
-/// open: an HTTP/2 connection counts its open streams to close itself when idle, and a
-/// tunnel is an open stream long after its `200` (see `server.rs`). The server puts it
-/// in the CONNECT request's extensions; the tunnel holds it until it closes.
-#[derive(Clone)]
-pub struct KeepWhileOpen(pub Arc<dyn Any + Send + Sync>);
 
 /// A CONNECT tollgate answered itself, to serve what the client sends through it
 /// (`[intercept]`). The proxy puts it in the `200`'s extensions; the server takes it out
@@ -92,43 +81,4 @@ pub async fn open<H: Send + 'static>(
     let mut resp = Response::new(body::empty());
     *resp.status_mut() = StatusCode::OK;
     Ok(resp)
-}
-
-/// After one side of a tunnel has closed, how long the other may go on sending.
-///
-/// A plain bidirectional copy waits for both directions to end, so a client that hangs
-/// up in front of an upstream that never speaks again would hold the tunnel (and its
-/// concurrency permit) forever.
-const LINGER: Duration = Duration::from_secs(5);
-
-/// Copies bytes both ways until one side closes and the other has finished or lingered
-/// [`LINGER`]; returns the bytes sent up and down. Tunnels and switched protocols
-/// (WebSocket) use it.
-pub(crate) async fn relay(
-    client: impl AsyncRead + AsyncWrite,
-    upstream: impl AsyncRead + AsyncWrite,
-) -> (u64, u64) {
-    let (mut client_read, mut client_write) = tokio::io::split(client);
-    let (mut upstream_read, mut upstream_write) = tokio::io::split(upstream);
-    let up = async {
-        let sent = tokio::io::copy(&mut client_read, &mut upstream_write).await;
-        let _ = upstream_write.shutdown().await;
-        sent.unwrap_or(0)
-    };
-    let down = async {
-        let sent = tokio::io::copy(&mut upstream_read, &mut client_write).await;
-        let _ = client_write.shutdown().await;
-        sent.unwrap_or(0)
-    };
-    tokio::pin!(up, down);
-    tokio::select! {
-        sent_up = &mut up => {
-            let sent_down = tokio::time::timeout(LINGER, &mut down).await.unwrap_or(0);
-            (sent_up, sent_down)
-        }
-        sent_down = &mut down => {
-            let sent_up = tokio::time::timeout(LINGER, &mut up).await.unwrap_or(0);
-            (sent_up, sent_down)
-        }
-    }
 }

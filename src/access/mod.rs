@@ -18,7 +18,6 @@ pub use auth::Users;
 pub use policy::{Denial, Policy};
 
 use crate::config::{Config, ConfigError};
-use crate::error::{ProxyError, PROXY_NAME};
 
 /// The checks of `[access]`, built once from the configuration.
 pub struct Access {
@@ -26,6 +25,28 @@ pub struct Access {
     pub policy: Arc<Policy>,
     users: Option<Arc<Users>>,
     clients: Vec<ipnet::IpNet>,
+}
+
+/// The name tollgate gives itself in `Via` and `Proxy-Status`: a request whose `Via`
+/// names it has come round again.
+pub const PROXY_NAME: &str = "tollgate";
+
+/// Why a request may not use the proxy; the proxy answers it
+/// ([`crate::error::ProxyError`] says how).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// The client's address is not in `[access] clients`.
+    Client {
+        /// The client's address.
+        client: IpAddr,
+    },
+    /// `[access] users` is set and the request carries no valid `Proxy-Authorization`.
+    AuthRequired,
+    /// The request already passed through this tollgate.
+    Loop {
+        /// The request's `Via` header.
+        via: String,
+    },
 }
 
 impl Access {
@@ -53,13 +74,13 @@ impl Access {
     /// Checks a request from `client` with `headers` before it is classified: the
     /// client's address, a loop, and its proxy credentials when `[access] users` is set
     /// (see [`Check::user`] for when that waits).
-    pub fn check(&self, client: SocketAddr, headers: &HeaderMap) -> Result<Check, ProxyError> {
+    pub fn check(&self, client: SocketAddr, headers: &HeaderMap) -> Result<Check, Refused> {
         let ip = match client.ip() {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client.ip(), IpAddr::V4),
             ip => ip,
         };
         if !self.clients.is_empty() && !self.clients.iter().any(|net| net.contains(&ip)) {
-            return Err(ProxyError::ClientDenied { client: ip });
+            return Err(Refused::Client { client: ip });
         }
         let Some(users) = &self.users else {
             return loop_free(headers).map(|()| Check::Passed(None));
@@ -87,14 +108,14 @@ impl Check {
     /// or wrong. A bcrypt check takes milliseconds by design: it runs on a thread made
     /// for blocking, so that a client guessing passwords does not stall the serving
     /// threads (verified credentials are cached, so this happens once per credential).
-    pub async fn user(self) -> Result<Option<String>, ProxyError> {
+    pub async fn user(self) -> Result<Option<String>, Refused> {
         match self {
             Check::Passed(user) => Ok(user),
             Check::Verify(users, header) => {
                 let verify = tokio::task::spawn_blocking(move || users.verify(header.as_ref()));
                 match verify.await {
                     Ok(Some(user)) => Ok(Some(user)),
-                    _ => Err(ProxyError::ProxyAuthRequired),
+                    _ => Err(Refused::AuthRequired),
                 }
             }
         }
@@ -102,9 +123,9 @@ impl Check {
 }
 
 /// `Ok` unless the request has come round to this proxy again.
-fn loop_free(headers: &HeaderMap) -> Result<(), ProxyError> {
+fn loop_free(headers: &HeaderMap) -> Result<(), Refused> {
     match looped(headers) {
-        Some(via) => Err(ProxyError::LoopDetected { via }),
+        Some(via) => Err(Refused::Loop { via }),
         None => Ok(()),
     }
 }

@@ -6,7 +6,6 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -34,7 +33,7 @@ pub struct ProxyConfig {
     /// client connection with no request open is kept (HTTP/1.1 keep-alive, and HTTP/2,
     /// which gets a GOAWAY and is dropped after as long again if still idle). It never
     /// cuts a request or response body still under way, nor an open tunnel
-    /// (`tests/timeouts.rs`).
+    /// (`tests/it/timeouts.rs`).
     #[serde(deserialize_with = "super::values::timeout")]
     pub client_header_timeout: Dur,
     /// How long an idle pooled connection to an upstream is kept for reuse.
@@ -201,8 +200,10 @@ pub struct AccessConfig {
 /// inside them is limited on its own.
 #[derive(Debug, Clone)]
 pub struct InterceptConfig {
-    /// The CA that signs a certificate for each intercepted host; checked at load.
-    pub ca: Arc<crate::intercept::Ca>,
+    /// The CA's certificate, which signs a certificate for each intercepted host.
+    pub ca_cert: PathBuf,
+    /// The CA's private key.
+    pub ca_key: PathBuf,
     /// Hosts whose tunnels are decrypted (every `[[limit]]` host when not written).
     pub hosts: Vec<HostPattern>,
     /// Whether `hosts` came from the `[[limit]]`s: then a host without a port is

@@ -13,6 +13,8 @@ use http::uri::{Scheme, Uri};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
+use super::Invalid;
+
 /// A rate: `limit` requests (cost units) per `period`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rate {
@@ -41,14 +43,14 @@ impl fmt::Display for Rate {
 }
 
 impl std::str::FromStr for Rate {
-    type Err = String;
+    type Err = Invalid;
 
     /// `N/s`, `N/m`, `N/h`, `N/d` or `N/<duration>` such as `100/10s`.
-    fn from_str(text: &str) -> Result<Rate, String> {
+    fn from_str(text: &str) -> Result<Rate, Invalid> {
         let bad = || {
-            format!(
+            Invalid(format!(
                 "invalid rate {text:?}: expected \"N/s\", \"N/m\", \"N/h\", \"N/d\", \"N/<duration>\" (e.g. \"100/10s\") or \"unlimited\""
-            )
+            ))
         };
         let (count, per) = text.trim().split_once('/').ok_or_else(bad)?;
         let limit: u64 = count.trim().parse().map_err(|_| bad())?;
@@ -60,19 +62,19 @@ impl std::str::FromStr for Rate {
         }
         .map_err(|_| bad())?;
         if limit == 0 || period.is_zero() {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "invalid rate {text:?}: the count and the period must be above zero"
-            ));
+            )));
         }
         if period > MAX_DURATION {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "invalid rate {text:?}: the period is longer than a year"
-            ));
+            )));
         }
         if period / u32::try_from(limit).map_err(|_| bad())? < Duration::from_micros(1) {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "invalid rate {text:?}: faster than one per microsecond"
-            ));
+            )));
         }
         Ok(Rate { limit, period })
     }
@@ -223,12 +225,12 @@ pub enum HostPattern {
 
 impl HostPattern {
     /// Reads a pattern as written in the file.
-    pub fn parse(text: &str) -> Result<HostPattern, String> {
+    pub fn parse(text: &str) -> Result<HostPattern, Invalid> {
         let text = text.trim();
         let bad = |why: &str| {
-            format!(
+            Invalid(format!(
                 "invalid host {text:?}: {why}; expected a host like \"api.github.com\", \"api.example.com:8443\" or a pattern like \"*.github.com\""
-            )
+            ))
         };
         if let Some(domain) = text.strip_prefix("*.") {
             let domain = crate::host::canonical(domain)

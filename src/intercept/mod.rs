@@ -12,7 +12,7 @@
 //! certificate tollgate does not trust is a `502`, never a pass.
 
 use std::collections::HashSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::uri::Scheme;
@@ -25,7 +25,7 @@ use crate::config::{HostPattern, InterceptConfig};
 
 mod ca;
 
-pub use ca::{init, Ca, CaError, InitError, Leaves, LEAF_CACHE, LEAF_VALIDITY};
+pub use ca::{init, Ca, CaError, InitError, Leaves, LEAF_CACHE};
 
 /// Which tunnels are decrypted, and the certificates to do it with.
 pub struct Intercept {
@@ -68,7 +68,7 @@ impl Intercept {
             hosts: config.hosts.clone(),
             web_ports_only: config.web_ports_only,
             bypass: config.bypass.clone(),
-            leaves: Leaves::new(config.ca.clone())?,
+            leaves: Leaves::new(Arc::new(Ca::load(&config.ca_cert, &config.ca_key)?))?,
             untrusted: Mutex::default(),
         })
     }

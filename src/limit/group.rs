@@ -303,41 +303,19 @@ impl Group {
                 continue;
             }
             if !booked {
-                // A retry that joined ahead of it meanwhile (during the pause its
-                // push-back caused, typically) goes first: before a slot is booked
-                // for this one in the shared store, where it would pass unused.
-                if self.lock().queue.retry_ahead_of(place.key) {
-                    return Ok(None);
-                }
-                match self.store.book(self, place.cost, now).await? {
-                    Slot::Paused => continue,
-                    Slot::Probing(until) => {
-                        let _answered = tokio::time::timeout_at(until, wake).await;
-                        ready = ready.max(Instant::now());
-                        continue;
-                    }
-                    Slot::Booked { at, stamp } => {
-                        // Checked a little before it comes: the round trip must not
-                        // delay the departure, or vary its spacing.
-                        let ahead = at.saturating_duration_since(Instant::now());
-                        booked = ahead < RECHECK_AHEAD || {
-                            crate::precise_sleep::sleep_until_slot(at - RECHECK_BEFORE).await;
-                            self.store.slot_holds(self, stamp).await
-                        };
-                        if booked {
-                            crate::precise_sleep::sleep_until_slot(at).await;
+                match self.book(place, now, wake.as_mut()).await? {
+                    Booking::Yield => return Ok(None),
+                    Booking::Again {
+                        booked: b,
+                        answered,
+                    } => {
+                        booked = b;
+                        if answered {
+                            ready = ready.max(Instant::now());
                         }
                         continue;
                     }
-                    // A slot of the local rate is read again after a reload.
-                    Slot::Local(at) if at > now => {
-                        tokio::select! {
-                            () = crate::precise_sleep::sleep_until_slot(at) => {}
-                            () = wake => {}
-                        }
-                        continue;
-                    }
-                    Slot::Local(_) => {}
+                    Booking::Leave => {}
                 }
             }
             let held = match permit.take().or_else(|| self.permits.try_now()) {
@@ -359,6 +337,52 @@ impl Group {
             self.depart(&mut state, booked, ready, place.cost);
             return Ok(Some(Permit::new(held, self.clone())));
         }
+    }
+
+    /// Books the head's slot in the store and waits for it (or for `wake`, when the
+    /// local rate's slot may move with a reload, or an answer may end the probe).
+    async fn book(
+        self: &Arc<Self>,
+        place: &Place,
+        now: Instant,
+        wake: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+    ) -> Result<Booking, Refusal> {
+        // A retry that joined ahead of it meanwhile (during the pause its push-back
+        // caused, typically) goes first: before a slot is booked for this one in the
+        // shared store, where it would pass unused.
+        if self.lock().queue.retry_ahead_of(place.key) {
+            return Ok(Booking::Yield);
+        }
+        let again = |booked, answered| Booking::Again { booked, answered };
+        Ok(match self.store.book(self, place.cost, now).await? {
+            Slot::Paused => again(false, false),
+            Slot::Probing(until) => {
+                let _answered = tokio::time::timeout_at(until, wake).await;
+                again(false, true)
+            }
+            Slot::Booked { at, stamp } => {
+                // Checked a little before it comes: the round trip must not delay the
+                // departure, or vary its spacing.
+                let ahead = at.saturating_duration_since(Instant::now());
+                let booked = ahead < RECHECK_AHEAD || {
+                    crate::precise_sleep::sleep_until_slot(at - RECHECK_BEFORE).await;
+                    self.store.slot_holds(self, stamp).await
+                };
+                if booked {
+                    crate::precise_sleep::sleep_until_slot(at).await;
+                }
+                again(booked, false)
+            }
+            // A slot of the local rate is read again after a reload.
+            Slot::Local(at) if at > now => {
+                tokio::select! {
+                    () = crate::precise_sleep::sleep_until_slot(at) => {}
+                    () = wake => {}
+                }
+                again(false, false)
+            }
+            Slot::Local(_) => Booking::Leave,
+        })
     }
 
     /// The head departs: counted in the budget and the local rates (unless the shared
@@ -454,6 +478,17 @@ impl Group {
 /// The least pace the controller may set, per second: `min_rate`, else none.
 fn floor(settings: &GroupSettings) -> f64 {
     settings.min_rate.map_or(0.0, |r| r.per_second())
+}
+
+/// What the head's booking came to.
+enum Booking {
+    /// A retry is ahead of it: it goes first.
+    Yield,
+    /// Look again (a pause, a probe, a slot that passed or was checked): `booked`, the
+    /// slot is counted and has come; `answered`, it waited for an answer.
+    Again { booked: bool, answered: bool },
+    /// The slot has come: leave.
+    Leave,
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
-pub use group::{Group, GroupStatus, Refusal};
+pub use group::{Group, Refusal};
 pub use permits::Permit;
 pub use redis::Redis;
 pub use store::Store;

@@ -168,10 +168,26 @@ pub struct Redis {
     heartbeat: Arc<Script>,
 }
 
+/// Why `[backend]` cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// `kind = "redis"` without a `url`.
+    #[error("the redis backend needs a url")]
+    NoUrl,
+    /// The URL is not one the Redis client takes.
+    #[error("backend.url {shown:?}: {source}")]
+    Url {
+        /// The URL without its password.
+        shown: String,
+        /// What the client said.
+        source: redis::RedisError,
+    },
+}
+
 impl Redis {
     /// Connects lazily: tollgate starts even while Redis is down.
-    pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Redis>, String> {
-        let url = config.url.as_ref().ok_or("the redis backend needs a url")?;
+    pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Redis>, BackendError> {
+        let url = config.url.as_ref().ok_or(BackendError::NoUrl)?;
         // Errors name the URL without its password: they go to stderr and the logs.
         let shown = redacted(&url.0);
         // Nagle's algorithm is on by default in redis-rs; every call here is a small
@@ -181,18 +197,27 @@ impl Redis {
             .0
             .as_str()
             .into_connection_info()
-            .map_err(|e| format!("backend.url {shown:?}: {e}"))?
+            .map_err(|source| BackendError::Url {
+                shown: shown.clone(),
+                source,
+            })?
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
-        let client =
-            redis::Client::open(info).map_err(|e| format!("backend.url {shown:?}: {e}"))?;
+        let client = redis::Client::open(info).map_err(|source| BackendError::Url {
+            shown: shown.clone(),
+            source,
+        })?;
         let timeout = config.timeout.0;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager)
-            .map_err(|e| format!("backend.url {shown:?}: {e}"))?;
+        let conn = ConnectionManager::new_lazy_with_config(client, manager).map_err(|source| {
+            BackendError::Url {
+                shown: shown.clone(),
+                source,
+            }
+        })?;
         let up_gauge = Gauge::default();
         up_gauge.set(1);
         metrics.register(|registry| {

@@ -25,9 +25,10 @@ use tokio::net::TcpStream;
 use tower::Service;
 
 use crate::access::Policy;
+use crate::access::PROXY_NAME;
 use crate::body::{Body, BoxError};
 use crate::config::ProxyConfig;
-use crate::error::{ProxyError, PROXY_NAME};
+use crate::error::ProxyError;
 use pool::Pool;
 
 mod pool;
@@ -229,36 +230,69 @@ impl Service<Uri> for Connector {
     }
 }
 
+/// Why `[proxy] ca_file` cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CaFileError {
+    /// The file cannot be read, or holds a PEM block that is not readable.
+    #[error("ca_file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// What reading it met.
+        source: std::io::Error,
+    },
+    /// A certificate in it is not one rustls accepts as a root.
+    #[error("ca_file {path}: {source}")]
+    Certificate {
+        /// The file.
+        path: String,
+        /// What rustls said.
+        source: rustls::Error,
+    },
+    /// It holds no certificate.
+    #[error("ca_file {path}: no PEM certificates found")]
+    Empty {
+        /// The file.
+        path: String,
+    },
+    /// rustls has no protocol version for its default provider.
+    #[error("TLS: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
 /// The rustls configuration for upstreams: the public web roots plus `ca_file`.
-pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, String> {
+pub fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, CaFileError> {
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = ca_file {
-        let pem = std::fs::read(path).map_err(|e| format!("ca_file {}: {e}", path.display()))?;
+        let shown = || path.display().to_string();
+        let read = |source| CaFileError::Read {
+            path: shown(),
+            source,
+        };
+        let pem = std::fs::read(path).map_err(read)?;
         let mut found = 0;
         for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
-            let cert = cert.map_err(|e| format!("ca_file {}: {e}", path.display()))?;
             roots
-                .add(cert)
-                .map_err(|e| format!("ca_file {}: {e}", path.display()))?;
+                .add(cert.map_err(read)?)
+                .map_err(|source| CaFileError::Certificate {
+                    path: shown(),
+                    source,
+                })?;
             found += 1;
         }
         if found == 0 {
-            return Err(format!(
-                "ca_file {}: no PEM certificates found",
-                path.display()
-            ));
+            return Err(CaFileError::Empty { path: shown() });
         }
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth())
 }
 
-/// Sends requests upstream over pooled connections; the leaf of the service stack.
+/// Sends requests upstream over pooled connections.
 #[derive(Clone)]
 pub struct Upstream {
     pool: Pool,
@@ -270,7 +304,7 @@ pub struct Upstream {
 
 impl Upstream {
     /// Builds the connector and an empty pool from the `[proxy]` settings.
-    pub fn new(config: &ProxyConfig, dialer: Dialer) -> Result<Self, String> {
+    pub fn new(config: &ProxyConfig, dialer: Dialer) -> Result<Self, CaFileError> {
         let mut http1_tls = tls_config(config.ca_file.as_deref())?;
         http1_tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         let tls = hyper_rustls::HttpsConnectorBuilder::new()

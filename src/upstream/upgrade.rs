@@ -20,7 +20,7 @@ use tokio_util::task::TaskTracker;
 use super::{add_via, authority_of, set_host, strip_hop_by_hop, upstream_error, Dialer};
 use crate::body::{self, Body, Holding};
 use crate::error::ProxyError;
-use crate::tunnel::{relay, KeepWhileOpen};
+use crate::relay::{relay, KeepWhileOpen};
 
 /// The protocol a request asks to switch to: its `Upgrade` header, when `Connection`
 /// names `upgrade` too (RFC 9110 §7.8), on HTTP/1.1.

@@ -21,9 +21,12 @@ mod sim;
 mod status;
 mod window;
 
+use crate::ratelimit_headers::Announcement;
 pub use pace::{Held, Pace};
 use probe::Probe;
-pub use status::{Phase, Status};
+#[cfg(test)]
+pub(crate) use status::Phase;
+pub use status::Status;
 use window::{Log, Window};
 
 /// Every parameter of the model, with its default: docs/budget.md says why each is so.
@@ -63,29 +66,6 @@ impl Default for Params {
     fn default() -> Params {
         Params::DEFAULT
     }
-}
-
-/// What one answer announced of the upstream's budget.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Announcement {
-    /// Requests per window (`*-Limit`, `q`).
-    pub quota: Option<u64>,
-    /// The window, when the upstream says it (`w` of `RateLimit-Policy`).
-    pub window: Option<Duration>,
-    /// Requests left in the current window (`*-Remaining`, `r`).
-    pub remaining: Option<u64>,
-    /// When the window resets.
-    pub reset: Option<Reset>,
-}
-
-/// A window's reset as an answer states it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Reset {
-    /// From the answer to the reset, on the upstream's clock.
-    pub after: Duration,
-    /// How finely it is stated: 1 s for whole seconds, less for milliseconds or
-    /// fractions.
-    pub resolution: Duration,
 }
 
 /// How many accepted answers are kept for what the upstream delivered.

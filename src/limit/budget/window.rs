@@ -288,7 +288,7 @@ fn read_length(longest: Duration, resolution: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::budget::Reset;
+    use crate::ratelimit_headers::Reset;
 
     const MS: Duration = Duration::from_millis(1);
     const S: Duration = Duration::from_secs(1);

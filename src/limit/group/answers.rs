@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Group, State};
-use crate::limit::budget::Announcement;
+use crate::ratelimit_headers::Announcement;
 
 impl Group {
     /// Holds every request of the group for `pause`, on every replica when the store is

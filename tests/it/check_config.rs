@@ -1,0 +1,105 @@
+//! `tollgate check-config` never panics and has no side effects: it dials nothing (a
+//! Redis backend is checked by its URL), reports unusable files at the line that names
+//! them, and refuses absurd values with exit 64; the proxy refuses the same before it
+//! listens.
+
+use std::time::Duration;
+
+use crate::support::*;
+
+/// Runs `tollgate args…` to its end (at most [`BOUND`]).
+async fn tollgate(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let mut cmd = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[("RUST_LOG", "info")]);
+    cmd.args(args)
+        .env_remove("TOLLGATE_CONFIG")
+        .env_remove("TOLLGATE_LISTEN");
+    let out = tokio::time::timeout(BOUND, cmd.output())
+        .await
+        .expect("tollgate ends")
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn a_redis_backend_is_checked_without_dialling_it() {
+    // A listener standing in for Redis: check-config must not connect to it.
+    let redis = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_file(
+        dir.path(),
+        "redis.toml",
+        &format!(
+            "[backend]\nkind = \"redis\"\nurl = \"redis://{}/0\"\n",
+            redis.local_addr().unwrap()
+        ),
+    );
+    let (code, stdout, stderr) = tollgate(&["check-config".as_ref(), config.as_os_str()]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.ends_with(": ok\n"), "{stdout}");
+    let accepted = tokio::time::timeout(Duration::from_millis(200), redis.accept()).await;
+    assert!(accepted.is_err(), "check-config connected to Redis");
+
+    let bad = write_file(
+        dir.path(),
+        "bad-redis.toml",
+        "[backend]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:notaport/0\"\n",
+    );
+    let (code, _, stderr) = tollgate(&["check-config".as_ref(), bad.as_os_str()]).await;
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{}:3:7: invalid Redis URL", bad.display())),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn unusable_files_are_reported_at_their_line_before_anything_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.pem");
+    let config = write_file(
+        dir.path(),
+        "ca.toml",
+        &format!("[proxy]\nca_file = {:?}\n", missing.display().to_string()),
+    );
+    let at = format!("{}:2:11: ca_file", config.display());
+    let (code, _, stderr) = tollgate(&["check-config".as_ref(), config.as_os_str()]).await;
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains(&at), "{stderr}");
+
+    // Run with it: refused the same way, and nothing was said to listen.
+    let listen = "127.0.0.1:0".to_string();
+    let args = [
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--listen".as_ref(),
+        listen.as_ref(),
+    ];
+    let (code, _, stderr) = tollgate(&args).await;
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains(&at), "{stderr}");
+    assert!(!stderr.contains("listening"), "{stderr}");
+}
+
+#[tokio::test]
+async fn absurd_values_are_refused_with_their_line_and_exit_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("[defaults]\nmax_wait = \"500000000000y\"\n", ":2:12:"),
+        ("[proxy]\nconnect_timeout = \"0s\"\n", ":2:19:"),
+        ("[defaults]\nburst = 4294967295\n", ":2:9:"),
+        ("[defaults]\nretry_statuses = [200]\n", ":2:19:"),
+    ];
+    for (i, (text, at)) in cases.into_iter().enumerate() {
+        let config = write_file(dir.path(), &format!("c{i}.toml"), text);
+        let (code, _, stderr) = tollgate(&["check-config".as_ref(), config.as_os_str()]).await;
+        assert_eq!(code, Some(64), "{text}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{}{at}", config.display())),
+            "{text}: {stderr}"
+        );
+    }
+}
