@@ -131,12 +131,13 @@ pub fn after_answer(
 ) -> ControlFlow<Response<Body>> {
     let settings = group.settings();
     let status = response.status().as_u16();
-    // Jitter only spreads the fallback backoff of a refusal; skip its hashing on every
-    // other answer.
-    let jitter = if settings.retry_statuses.contains(&status) {
-        (answered.jitter)()
+    // The jitter of the fallback backoff, the push-backs in a row and the pace matter
+    // to a refusal alone: every other answer skips the hashing and the group's lock.
+    let (jitter, in_row, pace) = if settings.retry_statuses.contains(&status) {
+        let (in_row, pace) = group.pushback_context();
+        ((answered.jitter)(), in_row, pace)
     } else {
-        0.0
+        (0.0, 0, None)
     };
     let headers = response.headers();
     if names_a_rate_limit(headers) {
@@ -149,9 +150,9 @@ pub fn after_answer(
         headers,
         &settings,
         || answered.wall_clock(),
-        group.pushbacks_in_row(),
+        in_row,
         jitter,
-        group.pace(),
+        pace,
     );
     let (pause, said) = match verdict {
         Verdict::Pass => {

@@ -78,11 +78,6 @@ impl Group {
         }
     }
 
-    /// The group's pace: the emission interval of its slowest rate in force.
-    pub fn pace(&self) -> Option<Duration> {
-        self.lock().rates.pace()
-    }
-
     /// The budget changed: the rates and the metric follow, a waiting head looks
     /// again, and a pace that `moved` here is published with the next booking.
     pub(in crate::limit) fn learned(&self, state: &mut State, moved: bool) {
@@ -93,9 +88,11 @@ impl Group {
         self.wake.notify_waiters();
     }
 
-    /// Push-back episodes since the last normal answer (0 for the first), not counting
-    /// the one whose pause holds now ([`crate::limit::pause::Pause::in_row`]).
-    pub fn pushbacks_in_row(&self) -> u32 {
-        self.lock().pause.in_row(Instant::now())
+    /// What judging a refusal needs of the group, under one lock: its push-back
+    /// episodes since the last normal answer (0 for the first), not counting the one
+    /// whose pause holds now, and its emission interval when it is paced.
+    pub fn pushback_context(&self) -> (u32, Option<Duration>) {
+        let state = self.lock();
+        (state.pause.in_row(Instant::now()), state.rates.pace())
     }
 }
