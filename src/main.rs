@@ -31,6 +31,10 @@ struct Cli {
     /// per core).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS")]
     worker_threads: Option<usize>,
+    /// Share the proxy's port with another process already serving it (a blue-green
+    /// switch); without it, tollgate refuses to start on a port that is served.
+    #[arg(long, env = "TOLLGATE_REUSE_PORT")]
+    reuse_port: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -152,7 +156,7 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
     }
     warn_if_queues_outgrow(&config, open_file_limit);
     let listen = config.proxy.listen;
-    let sockets = match Sockets::listen(listen, threads) {
+    let sockets = match Sockets::listen(listen, threads, cli.reuse_port) {
         Ok(sockets) => sockets,
         Err(e) => {
             eprintln!("tollgate: cannot listen on {listen}: {e}");

@@ -45,7 +45,15 @@ impl Sockets {
     /// Listens on `addr` with `threads` sockets (at least one). Call it inside the
     /// runtime that will call [`run`]. All sockets listen when this returns, so
     /// connections that arrive before the threads run wait in their socket's queue.
-    pub fn listen(addr: SocketAddr, threads: usize) -> std::io::Result<Sockets> {
+    ///
+    /// A port another process already serves is refused before anything listens, unless
+    /// `share` (`--reuse-port`, for a blue-green switch): with `SO_REUSEPORT` the kernel
+    /// would split the connections between the two, and each would keep a budget of
+    /// its own.
+    pub fn listen(addr: SocketAddr, threads: usize, share: bool) -> std::io::Result<Sockets> {
+        if !share && addr.port() != 0 {
+            served_elsewhere(addr)?;
+        }
         let shared = threads > 1;
         let first = bind(addr, shared)?;
         // With port 0 the first socket chose the port; the others take the same.
@@ -70,6 +78,27 @@ impl From<TcpListener> for Sockets {
             others: Vec::new(),
         }
     }
+}
+
+/// `Err` when another process serves `addr`: a socket bound without `SO_REUSEPORT`
+/// cannot join listeners that set it, so a bind alone (nothing listens) finds out.
+fn served_elsewhere(addr: SocketAddr) -> std::io::Result<()> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AddrInUse => std::io::Error::new(
+            e.kind(),
+            format!(
+                "port {} is already served by another process (another tollgate?); \
+                 --reuse-port shares it on purpose",
+                addr.port()
+            ),
+        ),
+        _ => e,
+    })
 }
 
 /// Binds one listening socket, shareable with `reuse_port`.

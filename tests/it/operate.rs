@@ -356,3 +356,58 @@ async fn compose_check_finds_what_is_broken() {
         assert!(stderr.contains(problem), "{problem} not in:\n{stderr}");
     }
 }
+
+// ---------------------------------------------------------------------------------
+// A second instance on the same port
+// ---------------------------------------------------------------------------------
+
+/// A second tollgate started on the port a first one serves exits at once, non-zero,
+/// naming the port, before it listens: with `SO_REUSEPORT` the kernel would split the
+/// connections between two processes that each keep a budget of their own. The first
+/// serves every request after. `--reuse-port` shares the port on purpose.
+#[tokio::test]
+async fn a_second_instance_on_a_served_port_refuses_to_start_unless_told_to_share() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let first = Tollgate::launch("[proxy]\n")
+        .arg("--worker-threads")
+        .arg("2")
+        .start()
+        .await;
+    let port = first.addr.port();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_file(dir.path(), "config.toml", &allowing_loopback("[proxy]\n"));
+    let listen = format!("127.0.0.1:{port}");
+    let mut second = clean_command(env!("CARGO_BIN_EXE_tollgate"), &[]);
+    second
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", &listen, "--worker-threads", "2"])
+        .stdout(Stdio::null());
+    let out = tokio::time::timeout(BOUND, second.output())
+        .await
+        .expect("the second instance exits instead of serving")
+        .expect("runs");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("port {port} is already served")) && said.contains("--reuse-port"),
+        "{said}"
+    );
+    for i in 0..20 {
+        let url = upstream.url(&format!("/n/{i}"));
+        let got = curl(&["-x", &first.url(), &url], &[]).await;
+        assert_eq!(got.status, 200, "{i}");
+    }
+    assert_eq!(upstream.requests().len(), 20);
+    // Told to share, it starts on the same port.
+    let shared = Tollgate::launch("[proxy]\n")
+        .without_listen_flag()
+        .arg("--listen")
+        .arg(&listen)
+        .arg("--worker-threads")
+        .arg("2")
+        .arg("--reuse-port")
+        .start()
+        .await;
+    assert_eq!(shared.addr.port(), port);
+}
