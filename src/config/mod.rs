@@ -151,7 +151,7 @@ struct RawConfig {
     #[serde(default)]
     limit: Vec<Spanned<RawSettings>>,
     #[serde(default)]
-    admin: Option<AdminConfig>,
+    admin: Option<Spanned<AdminConfig>>,
     #[serde(default)]
     backend: Option<Spanned<BackendConfig>>,
     #[serde(default)]
@@ -291,8 +291,20 @@ impl RawSettings {
             Some(a) => *a.get_ref(),
             None => base.adaptive,
         };
+        let rates = self.rate.map_or_else(|| base.rates.clone(), |r| r.0);
+        if let Some(min) = &self.min_rate {
+            let slowest = rates.iter().map(Rate::per_second).reduce(f64::min);
+            if slowest.is_some_and(|rate| min.get_ref().per_second() > rate) {
+                return Err((
+                    min.span(),
+                    "min_rate is faster than the group's rate: the pace never drops below \
+                     min_rate, and never exceeds rate"
+                        .into(),
+                ));
+            }
+        }
         Ok(GroupSettings {
-            rates: self.rate.map_or_else(|| base.rates.clone(), |r| r.0),
+            rates,
             burst: within(self.burst, "burst", MAX_BURST, base.burst)?,
             concurrency: within(
                 self.concurrency,
@@ -336,6 +348,17 @@ impl RawConfig {
             ));
         }
         let defaults = self.defaults.resolve(&GroupSettings::default())?;
+        let listen = self.proxy.listen;
+        if let Some(admin) = self.admin.as_ref().filter(|a| a.get_ref().listen == listen) {
+            return Err((
+                admin.span(),
+                format!(
+                    "[admin] listen and [proxy] listen are both {}: give the admin endpoints \
+                     an address of their own",
+                    listen
+                ),
+            ));
+        }
         if let Some(backend) = &self.backend {
             let (span, b) = (backend.span(), backend.get_ref());
             if b.kind == BackendKind::Redis && b.url.is_none() {
@@ -362,7 +385,7 @@ impl RawConfig {
             routes: self.route.into_iter().map(Spanned::into_inner).collect(),
             defaults,
             limits,
-            admin: self.admin,
+            admin: self.admin.map(Spanned::into_inner),
             backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
             access: self.access,
             places: Places::default(),
@@ -657,6 +680,16 @@ mod tests {
                 "[defaults]\nrate = \"1/2y\"\n",
                 "2:8:",
                 "longer than a year",
+            ),
+            (
+                "[defaults]\nrate = \"5/s\"\nmin_rate = \"10/s\"\n",
+                "3:12:",
+                "min_rate is faster than the group's rate",
+            ),
+            (
+                "[proxy]\nlisten = \"127.0.0.1:9000\"\n\n[admin]\nlisten = \"127.0.0.1:9000\"\n",
+                "4:1:",
+                "both 127.0.0.1:9000",
             ),
         ];
         for (text, at, says) in cases {
