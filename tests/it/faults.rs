@@ -529,11 +529,7 @@ async fn a_half_closed_client_whose_request_went_upstream_is_answered() {
     );
     stream.write_all(get.as_bytes()).await.unwrap();
     // Once the request is out upstream, the client closes its write side.
-    let deadline = std::time::Instant::now() + BOUND;
-    while upstream.in_flight() < 1 {
-        assert!(std::time::Instant::now() < deadline, "never sent");
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    wait_in_flight(&upstream, 1).await;
     stream.shutdown().await.unwrap();
     let mut answer = Vec::new();
     tokio::time::timeout(BOUND, stream.read_to_end(&mut answer))

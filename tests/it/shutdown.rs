@@ -1,46 +1,11 @@
 //! Shutdown: new connections are refused at once, requests and tunnels already in
 //! flight finish, and the `tollgate` binary checks configs and stops on SIGTERM.
 
-use std::io::ErrorKind;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-/// Waits until connecting to `addr` is refused. Connections that still succeed or are
-/// reset (the listener may not be closed yet) are dropped and retried.
-async fn wait_until_refused(addr: std::net::SocketAddr) {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        match TcpStream::connect(addr).await {
-            Err(e) if e.kind() == ErrorKind::ConnectionRefused => return,
-            Err(e) if e.kind() != ErrorKind::ConnectionReset => {
-                panic!("unexpected connect error: {e}")
-            }
-            // Reset: it reached the backlog of a listener that was closing.
-            Err(_) | Ok(_) => {
-                assert!(
-                    Instant::now() < deadline,
-                    "{addr} still accepts connections"
-                );
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-    }
-}
-
-/// Waits until `upstream` is handling `n` requests.
-async fn wait_in_flight(upstream: &Upstream, n: usize) {
-    let deadline = Instant::now() + BOUND;
-    while upstream.in_flight() < n {
-        assert!(
-            Instant::now() < deadline,
-            "upstream never had {n} in flight"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_request_completes_and_new_connections_are_refused() {

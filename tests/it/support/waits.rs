@@ -1,21 +1,41 @@
 //! Waiting on observable state, and assertions on what the upstream saw.
 
+use std::io::ErrorKind;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::*;
 
+/// How long a wait lets pass between two looks at what it waits for.
+const POLL: Duration = Duration::from_millis(5);
+
+/// Asks `check` (every 5 ms) until it finds what it looks for, and returns it; `None`
+/// once [`BOUND`] has passed without. The waits below are made of it; one that fails
+/// says then what it saw instead.
+pub async fn within_bound<T>(mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        if let Some(found) = check().await {
+            return Some(found);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        // What it waits for happens elsewhere, in its own time: look again shortly.
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 /// Waits until `check` finds what it looks for (asked every 5 ms, for [`BOUND`] at
 /// most), and returns it.
 pub async fn eventually<T>(mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        if let Some(found) = check() {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "never came to pass");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually_async(async || check()).await
+}
+
+/// [`eventually`] for a check that awaits: a request to `/metrics`, a connection.
+pub async fn eventually_async<T>(check: impl AsyncFnMut() -> Option<T>) -> T {
+    within_bound(check).await.expect("never came to pass")
 }
 
 /// Waits until `group`'s queue (waiting requests and the one at its head) holds `n`,
@@ -31,18 +51,42 @@ pub async fn wait_queued(proxy: &Proxy, group: &str, n: usize) {
 /// Waits until `/metrics` on the admin listener has a line that is exactly `line`
 /// (name, labels and value); returns the metrics text.
 pub async fn wait_metric_line(proxy: &Proxy, line: &str) -> String {
-    let deadline = Instant::now() + BOUND;
-    loop {
+    let found = within_bound(async || {
         let metrics = admin_get(proxy, "/metrics").await;
-        if metrics.lines().any(|l| l == line) {
-            return metrics;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "/metrics never showed {line:?}:\n{metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        metrics.lines().any(|l| l == line).then_some(metrics)
+    })
+    .await;
+    match found {
+        Some(metrics) => metrics,
+        None => panic!(
+            "/metrics never showed {line:?}:\n{}",
+            admin_get(proxy, "/metrics").await
+        ),
     }
+}
+
+/// Waits until `upstream` is handling `n` requests at once.
+pub async fn wait_in_flight(upstream: &Upstream, n: usize) {
+    let found = within_bound(async || (upstream.in_flight() >= n).then_some(())).await;
+    assert!(
+        found.is_some(),
+        "upstream never had {n} in flight, only {}",
+        upstream.in_flight()
+    );
+}
+
+/// Waits until connecting to `addr` is refused: its listener has closed. Connections
+/// that still succeed, or are reset by a listener that is closing, are dropped.
+pub async fn wait_until_refused(addr: SocketAddr) {
+    let refused = within_bound(async || match tokio::net::TcpStream::connect(addr).await {
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Some(()),
+        // Reset: it reached the backlog of a listener that was closing.
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => None,
+        Err(e) => panic!("unexpected connect error: {e}"),
+        Ok(_) => None,
+    })
+    .await;
+    assert!(refused.is_some(), "{addr} still accepts connections");
 }
 
 /// Asserts that `status` came with a `Proxy-Status: tollgate; error=<error>` header
