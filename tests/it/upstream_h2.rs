@@ -9,7 +9,6 @@
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use crate::support::*;
 
@@ -82,21 +81,20 @@ impl Nginx {
 
     /// Waits until nginx accepts connections on both ports; false if it exited first.
     async fn listening(&mut self) -> bool {
-        let deadline = Instant::now() + BOUND;
-        while Instant::now() < deadline {
+        let started = within_bound(async || {
             if self.child.try_wait().expect("nginx's status").is_some() {
-                return false;
+                return Some(false);
             }
             let accepts = |port| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
-            if accepts(self.h2) && accepts(self.http1) {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!(
-            "nginx did not listen within {BOUND:?}; its log:\n{}",
-            self.log()
-        );
+            (accepts(self.h2) && accepts(self.http1)).then_some(true)
+        })
+        .await;
+        started.unwrap_or_else(|| {
+            panic!(
+                "nginx did not listen within {BOUND:?}; its log:\n{}",
+                self.log()
+            )
+        })
     }
 
     /// What nginx logged.

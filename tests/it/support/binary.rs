@@ -9,7 +9,6 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
-use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -174,21 +173,18 @@ impl Tollgate {
     /// Waits until a log line contains `needle`, and returns that line; panics, with
     /// the log, if the process exits first or [`BOUND`] passes.
     pub async fn wait_for_log(&mut self, needle: &str) -> String {
-        let deadline = Instant::now() + BOUND;
-        loop {
+        let found = within_bound(async || {
             let log = self.log();
             if let Some(line) = log.lines().find(|l| l.contains(needle)) {
-                return line.to_string();
+                return Some(line.to_string());
             }
             if let Some(status) = self.child.try_wait().expect("child status") {
                 panic!("tollgate exited ({status}) before logging {needle:?}:\n{log}");
             }
-            assert!(
-                Instant::now() < deadline,
-                "tollgate never logged {needle:?}:\n{log}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            None
+        })
+        .await;
+        found.unwrap_or_else(|| panic!("tollgate never logged {needle:?}:\n{}", self.log()))
     }
 
     /// The process id, to signal it.
@@ -243,17 +239,14 @@ impl Tollgate {
 
     /// Waits until the metric `series` reaches `value`.
     pub async fn wait_metric(&self, series: &str, value: f64) {
-        let deadline = Instant::now() + BOUND;
-        loop {
+        let reached = within_bound(async || {
             let (_, metrics) = self.admin("/metrics").await;
-            if metric_value(&metrics, series) == Some(value) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{series} never reached {value}:\n{metrics}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            (metric_value(&metrics, series) == Some(value)).then_some(())
+        })
+        .await;
+        if reached.is_none() {
+            let (_, metrics) = self.admin("/metrics").await;
+            panic!("{series} never reached {value}:\n{metrics}");
         }
     }
 }

@@ -6,7 +6,6 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -87,21 +86,24 @@ impl External {
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("nginx");
-            let deadline = Instant::now() + BOUND;
-            while Instant::now() < deadline {
+            // Listening, or gone (someone took the port meanwhile: another one then).
+            let listening = within_bound(async || {
                 if child.try_wait().unwrap().is_some() {
-                    break;
+                    return Some(false);
                 }
-                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    return External {
-                        child,
-                        port,
-                        lines: Arc::default(),
-                        log_file: Some(log),
-                        _dir: Some(dir),
-                    };
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                std::net::TcpStream::connect(("127.0.0.1", port))
+                    .is_ok()
+                    .then_some(true)
+            })
+            .await;
+            if listening == Some(true) {
+                return External {
+                    child,
+                    port,
+                    lines: Arc::default(),
+                    log_file: Some(log),
+                    _dir: Some(dir),
+                };
             }
             let _ = child.kill();
             let _ = child.wait();

@@ -1,8 +1,6 @@
 //! A redis-server of a test's own, on a Unix socket in a temporary directory, stopped
 //! (by its PID) when dropped.
 
-use std::time::{Duration, Instant};
-
 use super::*;
 
 /// A real `redis-server`, stopped by PID when dropped. `scripts/test` installs it
@@ -42,19 +40,16 @@ impl RedisServer {
     pub async fn wait_for_key(&self, key: &str) {
         let client = redis::Client::open(self.url()).unwrap();
         let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        let deadline = Instant::now() + BOUND;
-        loop {
+        let exists = within_bound(async || {
             let exists: bool = redis::cmd("EXISTS")
                 .arg(key)
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            if exists {
-                return;
-            }
-            assert!(Instant::now() < deadline, "{key} never appeared in Redis");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+            exists.then_some(())
+        })
+        .await;
+        assert!(exists.is_some(), "{key} never appeared in Redis");
     }
 
     /// Starts (again) on the same socket and waits until it answers PING.
@@ -69,22 +64,14 @@ impl RedisServer {
             .spawn()
             .expect("redis-server runs (scripts/test installs it)");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(client) = redis::Client::open(self.url()) {
-                if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
-                    if redis::cmd("PING")
-                        .query_async::<String>(&mut conn)
-                        .await
-                        .is_ok()
-                    {
-                        return;
-                    }
-                }
-            }
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let answers = within_bound(async || {
+            let client = redis::Client::open(self.url()).ok()?;
+            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+            let pong = redis::cmd("PING").query_async::<String>(&mut conn).await;
+            pong.ok().map(drop)
+        })
+        .await;
+        assert!(answers.is_some(), "redis-server did not start");
     }
 
     /// Stops it for good (SIGKILL, like a crash).

@@ -286,15 +286,12 @@ impl Upstream {
 
     /// Waits until at least `n` requests have arrived; panics after [`BOUND`].
     pub async fn wait_for_requests(&self, n: usize) {
-        let deadline = Instant::now() + BOUND;
-        while self.requests().len() < n {
-            assert!(
-                Instant::now() < deadline,
-                "upstream saw {} requests, expected {n}",
-                self.requests().len()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let arrived = within_bound(async || (self.requests().len() >= n).then_some(())).await;
+        let seen = self.requests().len();
+        assert!(
+            arrived.is_some(),
+            "upstream saw {seen} requests, expected {n}"
+        );
     }
 }
 
