@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::*;
 
@@ -40,18 +40,16 @@ fn install() {
 
 /// The access lines mentioning `needle`, waiting (bounded) until there are `n`.
 async fn access_lines(needle: &str, n: usize) -> Vec<String> {
-    let deadline = Instant::now() + BOUND;
-    loop {
+    let lines = || {
         let text = String::from_utf8_lossy(&captured().lock().unwrap()).into_owned();
-        let lines: Vec<String> = (text.lines())
+        (text.lines())
             .filter(|l| l.contains(" access: ") && l.contains(needle))
             .map(str::to_string)
-            .collect();
-        if lines.len() >= n || Instant::now() > deadline {
-            return lines;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+            .collect::<Vec<_>>()
+    };
+    // Short of `n` after the bound: the caller's assertion says what is missing.
+    let found = within_bound(async || Some(lines()).filter(|l| l.len() >= n)).await;
+    found.unwrap_or_else(lines)
 }
 
 /// `key=value` of an access line.
@@ -205,13 +203,12 @@ async fn access_false_writes_no_lines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_writes_json_lines_with_log_format_json() {
     let upstream = Upstream::start(|_| Reply::ok("hello")).await;
-    let tollgate = Tollgate::launch("[proxy]\n")
+    let mut tollgate = Tollgate::launch("[proxy]\n")
         .arg("--log-format")
         .arg("json")
         .start()
         .await;
     let listen = tollgate.addr;
-    let deadline = Instant::now() + BOUND;
     let client = reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(format!("http://{listen}")).unwrap())
         .timeout(BOUND)
@@ -219,14 +216,7 @@ async fn the_binary_writes_json_lines_with_log_format_json() {
         .unwrap();
     let resp = client.get(upstream.url("/json?q=1")).send().await.unwrap();
     assert_eq!(resp.text().await.unwrap(), "hello");
-    let line = loop {
-        let text = tollgate.log();
-        if let Some(line) = text.lines().find(|l| l.contains("\"target\":\"access\"")) {
-            break line.to_string();
-        }
-        assert!(Instant::now() < deadline, "no access line:\n{text}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let line = tollgate.wait_for_log("\"target\":\"access\"").await;
     let json: serde_json::Value = serde_json::from_str(&line).unwrap();
     let fields = &json["fields"];
     assert_eq!(json["level"], "INFO", "{line}");

@@ -204,14 +204,7 @@ async fn connect_with_malformed_authority_dials_nothing() {
     // the listener. A connection of our own is a barrier: the listener accepts in order,
     // so once ours is counted, a dial from the proxy would have been counted too.
     let _barrier = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let deadline = Instant::now() + BOUND;
-    while silent.connections() == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "barrier connection never accepted"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually(|| (silent.connections() > 0).then_some(())).await;
     assert_eq!(
         silent.connections(),
         1,

@@ -176,17 +176,8 @@ async fn redis_down_falls_back_to_a_local_share_and_comes_back() {
     assert!(metrics.contains("tollgate_backend_up 0"), "{metrics}");
 
     redis.restart().await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !admin_get(&proxy, "/metrics")
-        .await
-        .contains("tollgate_backend_up 1")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "tollgate did not notice Redis came back"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // tollgate notices that Redis came back.
+    wait_metric_line(&proxy, "tollgate_backend_up 1").await;
     let before = upstream.requests().len();
     for i in 0..3 {
         let resp = client
@@ -517,9 +508,11 @@ async fn one_replica_probes_for_the_group_and_the_others_wait_for_it() {
     let until = get(&mut conn, "HGET", &[&key("probe"), "until"]).await;
     assert!(until >= before + 1_000 + 1_000_000, "{until}");
     // Paused: nothing else is answered until the pause ends.
-    while answer(&reserve(&mut conn, 0, probe("a", false)).await).0 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    eventually_async(async || {
+        let paused = answer(&reserve(&mut conn, 0, probe("a", false)).await).0;
+        (!paused).then_some(())
+    })
+    .await;
     // The prober booked with its own probe over: the group's is over, and so is that of
     // every replica that asks from now on, which books.
     for id in ["b", "d"] {
