@@ -434,10 +434,10 @@ async fn a_half_closed_client_is_treated_as_gone_and_counted_cancelled() {
             upstream.authority()
         );
         stream.write_all(get.as_bytes()).await.unwrap();
-        // Request sent, then the write side closed.
-        // Once tollgate has read the request (a head and a FIN in one read are never
-        // seen as a request at all: nothing is sent, nothing is counted).
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        // Request sent, then the write side closed, once tollgate has read the request
+        // (a head and a FIN in one read are never seen as a request at all: nothing is
+        // sent, nothing is counted).
+        wait_until_read(&stream).await;
         stream.shutdown().await.unwrap();
         clients.push(stream);
     }
@@ -449,7 +449,7 @@ async fn a_half_closed_client_is_treated_as_gone_and_counted_cancelled() {
         upstream.authority()
     );
     upload.write_all(post.as_bytes()).await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    wait_until_read(&upload).await;
     drop(upload);
     let cancelled = format!(
         "tollgate_requests_total{{group=\"slow\",outcome=\"cancelled\"}} {}",

@@ -73,19 +73,10 @@ async fn tollgate_listen_and_the_flag_override_the_config_s_listen() {
 /// The TCP ports process `pid` listens on, from /proc: its socket descriptors matched
 /// against the kernel's table of listening sockets.
 fn listening_ports(pid: u32) -> BTreeSet<u16> {
-    let mut listening = std::collections::HashMap::new();
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let text = std::fs::read_to_string(table).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            // local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 the inode.
-            if fields.len() > 9 && fields[3] == "0A" {
-                let port = fields[1].rsplit(':').next().unwrap();
-                let port = u16::from_str_radix(port, 16).unwrap();
-                listening.insert(fields[9].to_string(), port);
-            }
-        }
-    }
+    let listening: std::collections::HashMap<String, u16> = (tcp_sockets().into_iter())
+        .filter(|s| s.state == TCP_LISTEN)
+        .map(|s| (s.inode, s.local.port()))
+        .collect();
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .expect("the process's descriptors")
         .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())

@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -313,8 +312,8 @@ async fn an_https_upstream_that_closes_after_each_response_gets_each_request_onc
                 .unwrap();
             assert_eq!(resp.status(), 200, "request {i}, close_notify {notify}");
             assert_eq!(resp.text().await.unwrap(), "ok");
-            // Give the close time to arrive before the next request, as in real life.
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            // The close arrives before the next request, as in real life.
+            wait_closes_arrived(addr).await;
         }
         assert_eq!(requests.load(Ordering::SeqCst), 10, "close_notify {notify}");
         assert_eq!(

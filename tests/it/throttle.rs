@@ -541,7 +541,8 @@ async fn a_request_in_pieces_and_one_pipelined_behind_it_reach_the_upstream_whol
     );
     for piece in [head.as_bytes(), b"hello", b" world"] {
         conn.write_all(piece).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The proxy reads each piece before the next is sent.
+        wait_until_read(&conn).await;
     }
     wait_queued(&proxy, "one-at-a-time", 1).await;
     // A second request behind it on the same connection is not the client leaving.
@@ -585,7 +586,8 @@ async fn a_request_whose_body_has_not_arrived_holds_no_permit() {
         "POST http://{authority}/late HTTP/1.1\r\nHost: {authority}\r\nContent-Length: 5\r\n\r\n"
     );
     slow.write_all(head.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The proxy has the head and waits for the body.
+    wait_until_read(&slow).await;
 
     // The group's one permit is free for others until the body is there.
     let client = reqwest_via(&proxy, None);

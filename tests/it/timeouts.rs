@@ -592,7 +592,7 @@ async fn client_header_timeout_closes_a_half_read_head_during_shutdown() {
     );
     stream.write_all(half.as_bytes()).await.expect("write");
     // Once the proxy has the bytes (it answers nothing yet), shut down.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_until_read(&stream).await;
     proxy.begin_shutdown();
     let got = read_until_closed(&mut stream, "half-read head during shutdown").await;
     assert_no_response_or_client_error(&got, "half-read head during shutdown");

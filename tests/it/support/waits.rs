@@ -89,6 +89,45 @@ pub async fn wait_until_refused(addr: SocketAddr) {
     assert!(refused.is_some(), "{addr} still accepts connections");
 }
 
+/// Waits until the other end of `stream` has read every byte written on it so far, as
+/// the kernel's socket table shows: nothing left unacknowledged on this side, nothing
+/// unread on that one. Both ends must be in this network namespace (loopback).
+pub async fn wait_until_read(stream: &tokio::net::TcpStream) {
+    let (ours, theirs) = (stream.local_addr().unwrap(), stream.peer_addr().unwrap());
+    let read = within_bound(async || {
+        let sockets = tcp_sockets();
+        let end = |local, remote| {
+            sockets
+                .iter()
+                .find(|s| s.local == local && s.remote == remote)
+        };
+        let (sent, unread) = (end(ours, theirs)?.tx_queue, end(theirs, ours)?.rx_queue);
+        (sent == 0 && unread == 0).then_some(())
+    })
+    .await;
+    assert!(
+        read.is_some(),
+        "{theirs} never read what {ours} wrote: {:?}",
+        tcp_sockets()
+            .iter()
+            .filter(|s| s.local == ours || s.local == theirs)
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Waits until no connection to `addr` is still established: every close `addr` sent
+/// has arrived at the other end.
+pub async fn wait_closes_arrived(addr: SocketAddr) {
+    let open = || {
+        tcp_sockets()
+            .into_iter()
+            .filter(|s| s.remote == addr && s.state == TCP_ESTABLISHED)
+            .collect::<Vec<_>>()
+    };
+    let closed = within_bound(async || open().is_empty().then_some(())).await;
+    assert!(closed.is_some(), "still open to {addr}: {:?}", open());
+}
+
 /// Asserts that `status` came with a `Proxy-Status: tollgate; error=<error>` header
 /// and a non-empty `text/plain` body; returns the body text.
 pub fn assert_proxy_error(
