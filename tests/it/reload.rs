@@ -4,6 +4,8 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
+
 use crate::support::*;
 
 /// `[[limit]]` "api" on 127.0.0.1 at `rate`, and, when given, "gone" on 127.0.0.2.
@@ -47,14 +49,8 @@ async fn queued_requests_survive_a_reload_and_leave_at_the_new_rate() {
     // One leaves at once, five wait in "api"; one leaves at once, two wait in "gone".
     let api: Vec<String> = (0..6).map(|i| upstream.url(&format!("/{i}"))).collect();
     let gone: Vec<String> = (0..3).map(|i| other.url(&format!("/{i}"))).collect();
-    let api = tokio::spawn({
-        let client = reqwest_via(&proxy, None);
-        async move { get_each(&client, api).await }
-    });
-    let gone = tokio::spawn({
-        let client = reqwest_via(&proxy, None);
-        async move { get_each(&client, gone).await }
-    });
+    let api = get_in_order(&proxy, "api", api).await;
+    let gone = get_in_order(&proxy, "gone", gone).await;
     wait_queued(&proxy, "api", 5).await;
     wait_queued(&proxy, "gone", 2).await;
 
@@ -64,8 +60,8 @@ async fn queued_requests_survive_a_reload_and_leave_at_the_new_rate() {
     assert!(body.contains("reloaded"), "{body}");
 
     // None lost: every request answered, each sent once.
-    assert_eq!(api.await.unwrap(), vec![200; 6]);
-    assert_eq!(gone.await.unwrap(), vec![200; 3]);
+    assert_eq!(statuses(api).await, vec![200; 6]);
+    assert_eq!(statuses(gone).await, vec![200; 3]);
     assert_eq!(upstream.requests().len(), 6);
     assert_eq!(other.requests().len(), 3);
     // In their order, and faster: at 1/s the last four would be a second apart each.
@@ -93,17 +89,31 @@ async fn queued_requests_survive_a_reload_and_leave_at_the_new_rate() {
     );
 }
 
-/// GETs each URL concurrently; statuses in the order given.
-async fn get_each(client: &reqwest::Client, urls: Vec<String>) -> Vec<u16> {
+/// GETs each URL through `proxy`, each once the one before has reached `group`
+/// (let out or waiting in its queue), so that they queue in this order; the GETs'
+/// statuses come from [`statuses`].
+async fn get_in_order(proxy: &Proxy, group: &str, urls: Vec<String>) -> Vec<JoinHandle<u16>> {
+    let client = reqwest_via(proxy, None);
+    let admitted = format!("tollgate_requests_total{{group=\"{group}\",outcome=\"admitted\"}}");
+    let queued = format!("tollgate_queue_depth{{group=\"{group}\"}}");
     let mut tasks = Vec::new();
-    for url in urls {
+    for (i, url) in urls.into_iter().enumerate() {
         let client = client.clone();
         tasks.push(tokio::spawn(async move {
             client.get(url).send().await.unwrap().status().as_u16()
         }));
-        // Join the queue in order.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        eventually_async(async || {
+            let metrics = admin_get(proxy, "/metrics").await;
+            let count = |series: &str| metric_value(&metrics, series).unwrap_or(0.0);
+            (count(&admitted) + count(&queued) > i as f64).then_some(())
+        })
+        .await;
     }
+    tasks
+}
+
+/// The statuses of `tasks`, in their order.
+async fn statuses(tasks: Vec<JoinHandle<u16>>) -> Vec<u16> {
     let mut statuses = Vec::new();
     for task in tasks {
         statuses.push(task.await.unwrap());
