@@ -5,7 +5,6 @@
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
 use crate::support::*;
 
@@ -181,19 +180,27 @@ async fn a_connection_refused_is_counted_by_kind_and_logged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_false_writes_no_lines() {
+    use tokio::io::AsyncWriteExt;
     install();
     let upstream = Upstream::start(|_| Reply::ok("x")).await;
     let proxy = start_proxy("[log]\naccess = false\n").await;
-    let resp = reqwest_via(&proxy, None)
-        .get(upstream.url("/quiet"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    assert!(resp.headers().get("server-timing").is_none());
-    assert_eq!(resp.text().await.unwrap(), "x");
-    // The response is complete: a line would have been written by now.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Two requests on one connection: tollgate ends the first response, where its line
+    // is written, before it reads the second, so once that is answered the first line
+    // would be there.
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    for path in ["/quiet", "/after"] {
+        let get = format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+            upstream.url(path),
+            upstream.authority()
+        );
+        conn.write_all(get.as_bytes()).await.unwrap();
+        let resp = read_response(&mut conn).await;
+        assert_eq!(resp.status, 200, "{path}: {}", resp.text());
+        assert!(resp.header("server-timing").is_none(), "{path}: {resp:?}");
+        assert_eq!(resp.text(), "x");
+    }
+    assert_eq!(upstream.paths(), ["/quiet", "/after"]);
     let lines = access_lines(&format!("{}/quiet", upstream.authority()), 0).await;
     assert!(lines.is_empty(), "{lines:?}");
 }
