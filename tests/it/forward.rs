@@ -543,7 +543,7 @@ async fn an_upstream_that_closes_after_each_response_gets_each_request_once() {
         assert_eq!(resp.status(), 200, "request {i}");
         assert_eq!(resp.text().await.unwrap(), "ok");
         // The close arrives before the next request, as in real life.
-        wait_closes_arrived(addr).await;
+        wait_connections_closed(addr).await;
     }
     assert_eq!(
         requests.load(Ordering::SeqCst),

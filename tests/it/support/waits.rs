@@ -115,9 +115,9 @@ pub async fn wait_until_read(stream: &tokio::net::TcpStream) {
     );
 }
 
-/// Waits until no connection to `addr` is still established: every close `addr` sent
-/// has arrived at the other end.
-pub async fn wait_closes_arrived(addr: SocketAddr) {
+/// Waits until no connection to `addr` is established any more: each has been closed,
+/// by the end at `addr` (and the close has arrived) or by the other end.
+pub async fn wait_connections_closed(addr: SocketAddr) {
     let open = || {
         tcp_sockets()
             .into_iter()
