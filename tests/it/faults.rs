@@ -486,6 +486,7 @@ async fn a_head_that_trickles_gets_client_header_timeout_from_its_first_byte() {
     );
     let (first, rest) = head.as_bytes().split_at(2);
     stream.write_all(&first[..1]).await.unwrap();
+    // The trickle: `O` only at 1.6 s, then a byte at a time until 3 s.
     tokio::time::sleep(Duration::from_millis(1600)).await;
     stream.write_all(&first[1..]).await.unwrap();
     let pause = Duration::from_millis(1400) / rest.len() as u32;
@@ -493,6 +494,7 @@ async fn a_head_that_trickles_gets_client_header_timeout_from_its_first_byte() {
         if stream.write_all(&[*byte]).await.is_err() {
             break;
         }
+        // A byte per pause: the head is whole only at 3 s.
         tokio::time::sleep(pause).await;
     }
     let mut answer = Vec::new();

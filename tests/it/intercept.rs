@@ -513,6 +513,7 @@ async fn an_intercepted_tunnel_on_an_http2_stream_outlives_the_idle_close() {
     // idle 1.2 s later.
     let paths: Vec<String> = (0..10).map(|i| format!("/r{i}")).collect();
     for path in &paths {
+        // Busy, never idle for 600 ms: one request every 200 ms, across the idle close.
         tokio::time::sleep(Duration::from_millis(200)).await;
         get_through_tunnel(&mut tunnel, &upstream.authority(), path).await;
     }

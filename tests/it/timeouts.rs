@@ -218,8 +218,8 @@ async fn upstream_connections_are_reused_within_the_idle_timeout() {
     let client = reqwest_via(&proxy, None);
 
     get(&client, &upstream, "/one").await;
-    // Long enough for the connection to be back in the pool once the response is done,
-    // far short of the idle timeout.
+    // A client's pause between requests, far short of the idle timeout, in which the
+    // connection goes back to the pool (nothing outside the proxy shows when it has).
     tokio::time::sleep(Duration::from_millis(200)).await;
     get(&client, &upstream, "/two").await;
 
@@ -378,6 +378,7 @@ async fn read_body_with_stalls(stream: &mut TcpStream, first: Vec<u8>, len: u64)
         let left = len - got;
         if left > 0 && left < STALLS_FROM && before / STALL_EVERY != left / STALL_EVERY {
             stalls += 1;
+            // The slow reader: it stops reading for longer than the header timeout.
             tokio::time::sleep(READ_STALL).await;
         }
     }
@@ -454,6 +455,7 @@ async fn client_header_timeout_leaves_a_slow_upload_alone() {
             let cuts = [0, len / 3, 2 * len / 3, len];
             for (i, part) in cuts.windows(2).enumerate() {
                 if i > 0 {
+                    // The slow uploader: silent for longer than the header timeout.
                     tokio::time::sleep(STALL).await;
                 }
                 write_pattern(&mut stream, part[0], part[1])
@@ -556,6 +558,7 @@ async fn client_header_timeout_leaves_an_idle_http1_tunnel_alone() {
         assert_eq!(answer.status, 200);
         assert!(rest.is_empty(), "bytes after the CONNECT answer: {rest:?}");
 
+        // The tunnel idles for longer than the header timeout.
         tokio::time::sleep(STALL).await;
         let request = format!("GET /after-idle HTTP/1.1\r\nHost: {authority}\r\n\r\n");
         stream

@@ -164,6 +164,7 @@ async fn an_http2_tunnel_outlives_the_idle_close() {
     let mut answers = Vec::new();
     for path in ["/before", "/after"] {
         if path == "/after" {
+            // Idle for three client_header_timeouts, which the tunnel must outlive.
             tokio::time::sleep(std::time::Duration::from_millis(900)).await;
         }
         answers.push(get_through_tunnel(&mut tunnel, &upstream.authority(), path).await);

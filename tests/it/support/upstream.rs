@@ -311,6 +311,7 @@ async fn serve_upstream(
     let mut conns = JoinSet::new();
     loop {
         let Ok((stream, _)) = listener.accept().await else {
+            // Out of descriptors, say: back off instead of spinning on the error.
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
@@ -425,6 +426,7 @@ async fn answer(
             // Recorded before the delay so a test can see a request that is still waiting.
             state.requests.lock().unwrap().push(seen);
             if !reply.delay.is_zero() {
+                // A slow upstream, as the test's handler asked.
                 tokio::time::sleep(reply.delay).await;
             }
             let mut resp = Response::new(Full::new(reply.body).boxed_unsync());
