@@ -110,7 +110,9 @@ pub async fn wait_until_read(stream: &tokio::net::TcpStream) {
         "{theirs} never read what {ours} wrote: {:?}",
         tcp_sockets()
             .iter()
-            .filter(|s| s.local == ours || s.local == theirs)
+            .filter(
+                |s| (s.local, s.remote) == (ours, theirs) || (s.local, s.remote) == (theirs, ours)
+            )
             .collect::<Vec<_>>()
     );
 }
