@@ -147,6 +147,7 @@ fn group_status(group: &Group, history: &History) -> serde_json::Value {
             "queue_full": metrics.queue_full.get(),
             "max_wait": metrics.max_wait.get(),
             "cancelled": metrics.cancelled.get(),
+            "denied": metrics.denied.get(),
             "pauses": metrics.pauses.get(),
             "retries": metrics.retries.get(),
             "passed_through": metrics.passed_through.get(),

@@ -48,7 +48,7 @@ struct KindLabels {
 pub type RateGauge = Gauge<f64, AtomicU64>;
 
 /// What can happen to a request at the throttle, as the `outcome` label.
-const OUTCOMES: [&str; 4] = ["admitted", "queue_full", "max_wait", "cancelled"];
+const OUTCOMES: [&str; 5] = ["admitted", "queue_full", "max_wait", "cancelled", "denied"];
 
 type HistogramFamily = Family<GroupLabel, Histogram, fn() -> Histogram>;
 
@@ -99,6 +99,8 @@ pub struct GroupMetrics {
     pub max_wait: Counter,
     /// Requests whose client left while they were queued.
     pub cancelled: Counter,
+    /// Requests to a destination `[access]` refuses, answered before the queue.
+    pub denied: Counter,
     /// Time from arrival to departure, in seconds.
     pub queue_wait: Histogram,
     /// Pauses imposed by the upstream (429/503 + Retry-After, rate-limit headers).
@@ -368,6 +370,7 @@ impl Metrics {
             queue_full: outcome(OUTCOMES[1]),
             max_wait: outcome(OUTCOMES[2]),
             cancelled: outcome(OUTCOMES[3]),
+            denied: outcome(OUTCOMES[4]),
             queue_wait: self.queue_wait.get_or_create(&label).clone(),
             pauses: self.pauses.get_or_create(&label).clone(),
             pause_seconds: self.pause_seconds.get_or_create(&label).clone(),

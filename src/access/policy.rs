@@ -105,6 +105,17 @@ impl Policy {
         }
     }
 
+    /// A destination before it waits in its group: its name against the `deny` host
+    /// patterns, and a literal address as [`Policy::check_addr`] judges it. A name's
+    /// addresses are judged when it is dialled.
+    pub fn check_destination(&self, host: &str, port: u16) -> Result<(), Denial> {
+        self.check_host(host)?;
+        match crate::host::ip_of(host) {
+            Some(ip) => self.check_addr(host, SocketAddr::new(ip, port)),
+            None => Ok(()),
+        }
+    }
+
     /// One address `host` (canonical) resolved to, and the port to be dialled.
     pub fn check_addr(&self, host: &str, addr: SocketAddr) -> Result<(), Denial> {
         let ip = canonical_ip(addr.ip());

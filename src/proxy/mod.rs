@@ -197,6 +197,19 @@ impl Proxy {
         })
     }
 
+    /// A destination `[access]` refuses by its name or literal address is answered
+    /// now: it spends no slot of its group and counts as denied, not admitted. The
+    /// dialer still judges every address a name resolves to.
+    fn refuse_denied(&self, to: &mut Classified) -> Result<(), ProxyError> {
+        let policy = self.dialer.policy.load();
+        let checked = policy.check_destination(&to.target.host, to.target.port);
+        checked.map_err(|denial| {
+            to.left.disarm();
+            to.group.metrics.denied.inc();
+            ProxyError::DestinationDenied { denial }
+        })
+    }
+
     /// 2. A tunnel has no HTTP answer to judge: one wait, then it opens.
     async fn tunnel(
         &self,
@@ -205,6 +218,7 @@ impl Proxy {
         timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         to.left.disarm();
+        self.refuse_denied(&mut to)?;
         let permit = self.admit(&to.group, to.cost, arrived, false).await;
         timing.wait = arrived.elapsed();
         let permit = permit?;
@@ -260,6 +274,7 @@ impl Proxy {
         arrived: Instant,
         timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
+        self.refuse_denied(&mut to)?;
         let Classified {
             left,
             method,

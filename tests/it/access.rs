@@ -59,6 +59,36 @@ async fn loopback_is_denied_by_default_and_never_dialled() {
     proxy.shutdown().await;
 }
 
+/// A destination `[access]` refuses by its literal address is answered before the queue:
+/// five such requests to a group of one a second all get their `403` and none is
+/// admitted, so the group's rate is untouched (no slot spent, nothing queued).
+#[tokio::test]
+async fn refused_destinations_are_answered_before_the_queue_and_spend_no_slot() {
+    let upstream = Upstream::start(|_| Reply::ok("reached")).await;
+    let port = upstream.addr().port();
+    let proxy = start_proxy_with_admin(
+        "[access]\n\n[[limit]]\nname = \"slow\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/s\"\n",
+    )
+    .await;
+    let url = format!("http://127.0.0.1:{port}/x");
+    let answers = futures_util::future::join_all((0..5).map(|_| raw_get(&proxy, &url, ""))).await;
+    for response in &answers {
+        assert_denied(response, "127.0.0.1");
+    }
+    let metrics = admin_get(&proxy, "/metrics").await;
+    let count = |outcome: &str| {
+        let series = format!("tollgate_requests_total{{group=\"slow\",outcome=\"{outcome}\"}}");
+        metric_value(&metrics, &series).unwrap_or(0.0)
+    };
+    assert_eq!(
+        (count("denied"), count("admitted")),
+        (5.0, 0.0),
+        "{metrics}"
+    );
+    assert_eq!(upstream.connections(), 0, "nothing reached the upstream");
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn allow_opens_a_range_and_deny_closes_part_of_it() {
     let upstream = Upstream::start(|_| Reply::ok("reached")).await;
