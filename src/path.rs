@@ -6,7 +6,9 @@
 //! percent-encoded unreserved characters decoded (RFC 3986 §6.2.2.2, which makes the
 //! two spellings the same URI), then dot segments removed (§5.2.4). An encoded `/`
 //! (`%2f`) is kept as it is by that rule and would then mean one thing to tollgate and
-//! another to an upstream that decodes it, so a routed path carrying one is refused.
+//! another to an upstream that decodes it, so a routed path carrying one is refused. So
+//! is a backslash, written or encoded (`\`, `%5c`: a separator to some servers), and a
+//! dot segment with parameters (`..;`, `.;`: a dot segment to servlet containers).
 
 use std::fmt::Write;
 
@@ -19,6 +21,12 @@ pub enum PathError {
     /// It carries an encoded slash.
     #[error("the path {0:?} carries an encoded '/' (%2F)")]
     EncodedSlash(String),
+    /// It carries a backslash, which some servers take for a `/`.
+    #[error("the path {0:?} carries a backslash ('\\' or %5C)")]
+    Backslash(String),
+    /// A segment is a dot segment with parameters (`..;x`), which some servers resolve.
+    #[error("the path {0:?} has a dot segment with parameters ('..;' or '.;')")]
+    DotParameters(String),
 }
 
 /// `path` (the path part of a URI, query excluded) normalised: unreserved characters
@@ -27,6 +35,13 @@ pub fn normalize(path: &str) -> Result<String, PathError> {
     let decoded = decode_unreserved(path);
     if decoded.contains("%2F") {
         return Err(PathError::EncodedSlash(path.to_string()));
+    }
+    if decoded.contains('\\') || decoded.contains("%5C") {
+        return Err(PathError::Backslash(path.to_string()));
+    }
+    let dot_parameters = |segment: &str| segment.starts_with("..;") || segment.starts_with(".;");
+    if decoded.split('/').any(dot_parameters) {
+        return Err(PathError::DotParameters(path.to_string()));
     }
     remove_dot_segments(&decoded).ok_or_else(|| PathError::Climbs(path.to_string()))
 }
@@ -145,6 +160,14 @@ mod tests {
             ("/%2e%2e/x", Err(())),
             ("/api/..%2finternal", Err(())),
             ("/api/a%2Fb", Err(())),
+            ("/api/..;/internal", Err(())),
+            ("/api/.;/x", Err(())),
+            ("/api/%2e%2e;x/internal", Err(())),
+            ("/api/..\\internal", Err(())),
+            ("/api/..%5cinternal", Err(())),
+            ("/api/..%5Cinternal", Err(())),
+            ("/api/a;b/c", Ok("/api/a;b/c")),
+            ("/api/..x/y", Ok("/api/..x/y")),
         ];
         for (path, want) in cases {
             let got = normalize(path);

@@ -286,6 +286,9 @@ async fn routed_paths_stay_inside_their_route() {
         "/api/%2e%2e/internal",
         "/api/..%2finternal",
         "/api/a/../../x",
+        "/api/..;/internal",
+        "/api/..%5cinternal",
+        "/api/..%5Cinternal",
     ] {
         let request = format!("GET {escape} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         let response = raw_request(proxy.addr, request.as_bytes()).await;
