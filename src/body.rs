@@ -5,11 +5,13 @@
 //! collected, so a 200 MB upload or download passes with flat memory.
 
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
+use tokio::time::Instant;
 
 /// Any error a body can fail with.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -120,6 +122,71 @@ where
         if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
             this.held.take();
         }
+        polled.map(|frame| frame.map(|result| result.map_err(Into::into)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// When a body's reader last took a frame from it (or found its end), and whether it
+/// waits for the body's writer now, shared between the body and whoever watches it:
+/// `response_timeout` counts from there while the reader is not waiting.
+#[derive(Debug, Clone)]
+pub struct Progress(Arc<Mutex<(Instant, bool)>>);
+
+impl Progress {
+    /// Progress that starts now.
+    pub fn now() -> Progress {
+        Progress(Arc::new(Mutex::new((Instant::now(), false))))
+    }
+
+    /// The last time the body was read from, unless its reader waits for its writer
+    /// now (`None`: a stalled client is `body_idle_timeout`'s business).
+    pub fn last(&self) -> Option<Instant> {
+        let (last, waiting) = *self.0.lock().unwrap_or_else(|p| p.into_inner());
+        (!waiting).then_some(last)
+    }
+
+    /// `body`, noting here each time it is read from.
+    pub fn track<B>(&self, body: B) -> Tracked<B> {
+        Tracked {
+            inner: body,
+            progress: self.clone(),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A body whose reads are noted in a [`Progress`].
+    pub struct Tracked<B> {
+        #[pin]
+        inner: B,
+        progress: Progress,
+    }
+}
+
+impl<B> http_body::Body for Tracked<B>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        *this.progress.0.lock().unwrap_or_else(|p| p.into_inner()) =
+            (Instant::now(), polled.is_pending());
         polled.map(|frame| frame.map(|result| result.map_err(Into::into)))
     }
 

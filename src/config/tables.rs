@@ -26,7 +26,8 @@ pub struct ProxyConfig {
     /// Longest time to resolve, connect and finish the TLS handshake with an upstream.
     #[serde(deserialize_with = "super::values::timeout")]
     pub connect_timeout: Dur,
-    /// Longest time from sending a request upstream to receiving its response head.
+    /// Longest time from sending a request upstream (its body's end) to receiving its
+    /// response head; also the longest an upstream may leave the body unread.
     #[serde(deserialize_with = "super::values::timeout")]
     pub response_timeout: Dur,
     /// Longest time a client may take to send a request head; it is also how long a

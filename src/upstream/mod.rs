@@ -104,9 +104,43 @@ impl Upstream {
         *req.version_mut() = Version::HTTP_11;
 
         let after = self.response_timeout;
-        tokio::time::timeout(after, self.pool.send(req, held)).map(move |outcome| {
+        // `response_timeout` counts from the last time the upstream read from the
+        // request's body (its end, once it is sent), and not while the body waits for
+        // the client: an upload may take longer than the upstream takes to answer it, a
+        // stalled client is `body_idle_timeout`'s business, and an upstream that stops
+        // reading is as stuck as one that does not answer.
+        let progress = match http_body::Body::is_end_stream(req.body()) {
+            true => None,
+            false => {
+                let progress = crate::body::Progress::now();
+                req = req.map(|body| crate::body::boxed(progress.track(body)));
+                Some(progress)
+            }
+        };
+        let exchange = self.pool.send(req, held);
+        let timer = async move {
+            let start = tokio::time::Instant::now();
+            loop {
+                let now = tokio::time::Instant::now();
+                let last = progress.as_ref().map_or(Some(start), |p| p.last());
+                match last {
+                    Some(last) if now >= last + after => break,
+                    Some(last) => tokio::time::sleep_until(last + after).await,
+                    // Waiting for the client: looked at again a timeout later.
+                    None => tokio::time::sleep(after).await,
+                }
+            }
+        };
+        async move {
+            tokio::select! {
+                biased;
+                answered = exchange => Ok(answered),
+                () = timer => Err(()),
+            }
+        }
+        .map(move |outcome| {
             let response = outcome
-                .map_err(|_| ProxyError::ResponseTimeout {
+                .map_err(|()| ProxyError::ResponseTimeout {
                     authority: authority.clone(),
                     after,
                 })?

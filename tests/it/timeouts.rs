@@ -480,6 +480,46 @@ async fn client_header_timeout_leaves_a_slow_upload_alone() {
     proxy.shutdown().await;
 }
 
+/// `response_timeout` counts from the end of the request's body, not from its start: an
+/// upload that streams (larger than `max_replay_body`) for longer than the timeout, with
+/// the client's pauses between its parts, still gets the upstream's answer, and the
+/// upstream gets every byte.
+#[tokio::test]
+async fn response_timeout_leaves_a_long_upload_alone() {
+    let upstream = Upstream::start_bulk().await;
+    let proxy = start_proxy(&format!("[proxy]\nresponse_timeout = \"{SHORT}\"\n")).await;
+    let len = 3 << 20;
+    bounded("long upload", async {
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        let head = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n\r\n",
+            upstream.url("/upload"),
+            upstream.authority()
+        );
+        stream.write_all(head.as_bytes()).await.expect("write head");
+        let cuts = [0, len / 3, 2 * len / 3, len];
+        for (i, part) in cuts.windows(2).enumerate() {
+            if i > 0 {
+                // The client pauses for longer than the response timeout.
+                tokio::time::sleep(STALL).await;
+            }
+            write_pattern(&mut stream, part[0], part[1])
+                .await
+                .expect("write");
+        }
+        let response = read_response(&mut stream).await;
+        let expected = pattern_digest(len as u64);
+        assert_eq!(response.status, 200, "{}", response.text());
+        assert_eq!(
+            response.text(),
+            format!("{} {}", expected.len, expected.hash)
+        );
+    })
+    .await;
+    assert_eq!(upstream.uploads(), vec![pattern_digest(3 << 20)]);
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn client_header_timeout_leaves_an_upload_answered_early_alone() {
     // An upstream may answer before it has read the request body (an error it could
