@@ -171,6 +171,9 @@ impl Proxy {
         local: SocketAddr,
         inside: Option<&Inside>,
     ) -> Result<Classified, ProxyError> {
+        if let Some(why) = crate::upstream::malformed_request(req.headers()) {
+            return Err(ProxyError::BadRequest(format!("malformed request: {why}")));
+        }
         let target = match inside {
             None => live.classifier.classify(&mut req, local)?,
             Some(inside) => Classifier::inside(&mut req, inside)?,

@@ -89,3 +89,33 @@ pub fn malformed(status: StatusCode, headers: &HeaderMap) -> Option<&'static str
     }
     None
 }
+
+/// Why a request's framing cannot be passed on, if it cannot (RFC 9112 §6): a
+/// `Transfer-Encoding` other than `chunked` alone (the request is sent on re-framed,
+/// so a coding before `chunked` would be lost, and `identity` is no coding at all), or a
+/// `Content-Length` that is not a number. Either would mean one message to tollgate and
+/// another to a server that reads it differently.
+pub fn malformed_request(headers: &HeaderMap) -> Option<&'static str> {
+    let codings: Vec<&[u8]> = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty())
+        .collect();
+    if !codings.is_empty()
+        && !matches!(&codings[..], [only] if only.eq_ignore_ascii_case(b"chunked"))
+    {
+        return Some("a Transfer-Encoding other than chunked");
+    }
+    let number = |v: &[u8]| !v.is_empty() && v.iter().all(u8::is_ascii_digit);
+    let lengths = headers.get_all(header::CONTENT_LENGTH);
+    if !lengths
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .all(|v| number(v.trim_ascii()))
+    {
+        return Some("a Content-Length that is not a number");
+    }
+    None
+}

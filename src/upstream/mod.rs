@@ -33,7 +33,9 @@ pub mod upgrade;
 
 use dial::Connector;
 pub use dial::Dialer;
-pub use headers::{add_via, authority_of, malformed, set_host, strip_hop_by_hop};
+pub use headers::{
+    add_via, authority_of, malformed, malformed_request, set_host, strip_hop_by_hop,
+};
 pub use tls::{tls_config, CaFileError};
 
 /// Sends requests upstream over pooled connections.
@@ -266,6 +268,42 @@ mod tests {
         ];
         for (i, verdict) in bad.iter().enumerate() {
             assert!(verdict.is_some(), "case {i}");
+        }
+    }
+
+    #[test]
+    fn requests_framed_in_odd_forms_are_malformed() {
+        // (headers, refused)
+        let cases: &[(&[(&str, &str)], bool)] = &[
+            (&[], false),
+            (&[("transfer-encoding", "chunked")], false),
+            (&[("transfer-encoding", "Chunked")], false),
+            (&[("content-length", "5")], false),
+            (&[("content-length", "005")], false),
+            (&[("transfer-encoding", "identity, chunked")], true),
+            (&[("transfer-encoding", "gzip, chunked")], true),
+            (&[("transfer-encoding", "chunked, identity")], true),
+            (&[("transfer-encoding", "identity")], true),
+            (
+                &[
+                    ("transfer-encoding", "chunked"),
+                    ("transfer-encoding", "chunked"),
+                ],
+                true,
+            ),
+            (&[("content-length", "+5")], true),
+            (&[("content-length", "0x5")], true),
+            (&[("content-length", "5 5")], true),
+        ];
+        for (pairs, refused) in cases {
+            let mut h = HeaderMap::new();
+            for (n, v) in *pairs {
+                h.append(
+                    http::HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                );
+            }
+            assert_eq!(malformed_request(&h).is_some(), *refused, "{pairs:?}");
         }
     }
 

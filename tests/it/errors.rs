@@ -276,3 +276,42 @@ async fn upstream_speaking_garbage() {
     proxy.shutdown().await;
     garbage.abort();
 }
+
+/// A request framed in a form servers read differently (`Transfer-Encoding` other than
+/// `chunked` alone, a `Content-Length` that is not a number) is refused with a `400`,
+/// never sent upstream.
+#[tokio::test]
+async fn requests_framed_in_odd_forms_are_refused_and_never_sent() {
+    let upstream = Upstream::start(|_| Reply::ok("reached")).await;
+    let proxy = start_proxy("[proxy]\n").await;
+    let url = upstream.url("/x");
+    for (framing, body) in [
+        (
+            "Transfer-Encoding: identity, chunked",
+            "5\r\nhello\r\n0\r\n\r\n",
+        ),
+        (
+            "Transfer-Encoding: gzip, chunked",
+            "5\r\nhello\r\n0\r\n\r\n",
+        ),
+        ("Content-Length: +5", "hello"),
+    ] {
+        let request = format!(
+            "POST {url} HTTP/1.1\r\nHost: x\r\n{framing}\r\nConnection: close\r\n\r\n{body}"
+        );
+        let response = raw_request(proxy.addr, request.as_bytes()).await;
+        assert_eq!(response.status, 400, "{framing}: {}", response.text());
+    }
+    assert_eq!(upstream.connections(), 0, "nothing was sent upstream");
+    // The plain forms pass.
+    let request = format!(
+        "POST {url} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    );
+    let response = raw_request(proxy.addr, request.as_bytes()).await;
+    assert_eq!(
+        (response.status, response.text()),
+        (200, "reached".to_string())
+    );
+    assert_eq!(upstream.requests().len(), 1);
+    proxy.shutdown().await;
+}
