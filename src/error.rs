@@ -43,6 +43,9 @@ pub enum ProxyError {
     /// `[access] users` is set and the request carries no valid `Proxy-Authorization`.
     #[error("proxy authentication required: send Proxy-Authorization: Basic with a user of [access] users")]
     ProxyAuthRequired,
+    /// Too many credentials wait for their check: one more would wait behind them all.
+    #[error("too many proxy credentials are being checked at once: try again in a second")]
+    AuthBusy,
     /// The client's address is not in `[access] clients`.
     #[error("client {client} may not use this proxy ([access] clients)")]
     ClientDenied {
@@ -193,6 +196,7 @@ impl From<crate::access::Refused> for ProxyError {
         match refused {
             Refused::Client { client } => ProxyError::ClientDenied { client },
             Refused::AuthRequired => ProxyError::ProxyAuthRequired,
+            Refused::AuthBusy => ProxyError::AuthBusy,
             Refused::Loop { via } => ProxyError::LoopDetected { via },
         }
     }
@@ -211,6 +215,7 @@ impl ProxyError {
                 StatusCode::FORBIDDEN
             }
             ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            AuthBusy => StatusCode::TOO_MANY_REQUESTS,
             LoopDetected { .. } => StatusCode::LOOP_DETECTED,
             Dns { .. } | ConnectionRefused { .. } | Connect { .. } => StatusCode::BAD_GATEWAY,
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
@@ -229,7 +234,7 @@ impl ProxyError {
         match self {
             BadRequest(_) | RequestBodyIdle { .. } | Misdirected { .. } => "http_request_error",
             NoRoute { .. } => "destination_not_found",
-            PortNotAllowed { .. } | ProxyAuthRequired | ClientDenied { .. } => {
+            PortNotAllowed { .. } | ProxyAuthRequired | AuthBusy | ClientDenied { .. } => {
                 "http_request_denied"
             }
             DestinationDenied { .. } => "destination_ip_prohibited",
@@ -285,8 +290,25 @@ impl ProxyError {
             ProxyError::BackendDown { .. } => Some(Duration::from_secs(1)),
             // Another instance, or this one restarted, is expected within seconds.
             ProxyError::ShuttingDown => Some(Duration::from_secs(1)),
+            // A check takes milliseconds; the queue of them drains within a second.
+            ProxyError::AuthBusy => Some(Duration::from_secs(1)),
             _ => None,
         }
+    }
+
+    /// Why tollgate refused the request itself, for `tollgate_refusals_total{reason}`;
+    /// `None` for the upstream's failures and the group's refusals (counted apart).
+    pub fn refusal_reason(&self) -> Option<&'static str> {
+        use ProxyError::*;
+        Some(match self {
+            BadRequest(_) | Misdirected { .. } => "bad_request",
+            ClientDenied { .. } => "client_denied",
+            PortNotAllowed { .. } | DestinationDenied { .. } => "destination_denied",
+            ProxyAuthRequired => "auth_required",
+            AuthBusy => "auth_busy",
+            LoopDetected { .. } => "loop",
+            _ => return None,
+        })
     }
 
     /// The error for a request body that failed with `error`.

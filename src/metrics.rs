@@ -44,6 +44,12 @@ struct KindLabels {
     kind: &'static str,
 }
 
+/// The label of `tollgate_refusals_total`: `reason` is the `Proxy-Status` error.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
 /// A gauge of a rate, in requests per second.
 pub type RateGauge = Gauge<f64, AtomicU64>;
 
@@ -60,6 +66,10 @@ pub struct Metrics {
     pub config_reload_failures: Counter,
     /// Client connections open now (see [`Metrics::connection_opened`]).
     client_connections: Gauge,
+    /// bcrypt checks of proxy credentials.
+    pub credential_checks: Counter,
+    /// Requests tollgate refused itself, by `Proxy-Status` error type.
+    refusals: Family<ReasonLabel, Counter>,
     registry: Mutex<Registry>,
     queue_depth: Family<GroupLabel, Gauge>,
     in_flight: Family<GroupLabel, Gauge>,
@@ -259,6 +269,14 @@ const UPSTREAM_DURATION: Series = (
     "tollgate_upstream_duration_seconds",
     "Time from sending a request upstream to its response head",
 );
+const CREDENTIAL_CHECKS: Series = (
+    "tollgate_credential_checks",
+    "bcrypt checks of proxy credentials (a flood of wrong passwords shows here)",
+);
+const REFUSALS: Series = (
+    "tollgate_refusals",
+    "Requests tollgate refused itself (400, 403, 407, 429, 508), by Proxy-Status error",
+);
 const UPSTREAM_ERRORS: Series = (
     "tollgate_upstream_errors",
     "Requests that got no upstream answer, by group and Proxy-Status error type",
@@ -323,7 +341,11 @@ impl Metrics {
         let config_reload_failures = registered(r, CONFIG_RELOAD_FAILURES, Counter::default());
         let client_connections = registered(r, CLIENT_CONNECTIONS, Gauge::default());
         let learned = registered(r, LEARNED, Family::default());
+        let credential_checks = registered(r, CREDENTIAL_CHECKS, Counter::default());
+        let refusals = registered(r, REFUSALS, Family::default());
         Metrics {
+            credential_checks,
+            refusals,
             config_reloads,
             config_reload_failures,
             client_connections,
@@ -341,6 +363,11 @@ impl Metrics {
             retries,
             passed_through,
         }
+    }
+
+    /// Counts a request tollgate refused itself, by its `Proxy-Status` error type.
+    pub fn refused(&self, reason: &'static str) {
+        self.refusals.get_or_create(&ReasonLabel { reason }).inc();
     }
 
     /// Counts a client connection as open until the guard drops (however its task

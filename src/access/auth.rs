@@ -16,7 +16,8 @@
 //! A bcrypt check costs milliseconds by design (cost 5, htpasswd's default, is about
 //! 2 ms; each step of cost doubles it), far too much to pay on every request of a
 //! kept-alive client. A verified credential is therefore cached, keyed by the SHA-256
-//! of the exact header value; failed checks are never cached. [`Users::verify`] is
+//! of the exact header value, and so is a failed one, for [`FAILURE_TTL`]: a client
+//! that sends the same wrong credential again and again costs one check. [`Users::verify`] is
 //! synchronous and blocks for one bcrypt check on a cache miss, so an async caller runs
 //! it where blocking is allowed (e.g. `tokio::task::spawn_blocking`) when it matters.
 //!
@@ -28,12 +29,15 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Mutex, PoisonError, RwLock};
+use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD_PAD_INDIFFERENT;
 use base64::Engine;
 use http::HeaderValue;
+use prometheus_client::metrics::counter::Counter;
 use ring::digest::{digest, SHA256};
+use tokio::time::Instant;
 
 /// Cached credentials at most; when full, the cache is cleared.
 ///
@@ -42,6 +46,12 @@ use ring::digest::{digest, SHA256};
 /// knows one password from growing the cache without end. Clearing costs each active
 /// client one more bcrypt check, and needs no bookkeeping on the hot path.
 const CACHE_CAPACITY: usize = 1024;
+
+/// How long a failed credential is answered from the cache: long enough that a client
+/// retrying the same wrong credential costs one bcrypt check, short enough that a user
+/// added to the file with that password (a reload makes a new `Users` anyway) is not
+/// kept out for long.
+pub const FAILURE_TTL: Duration = Duration::from_secs(10);
 
 /// The cache key: SHA-256 of the exact `Proxy-Authorization` value.
 ///
@@ -67,9 +77,10 @@ pub struct Users {
     decoy: String,
     /// Verified credentials: header digest → user name.
     cache: RwLock<HashMap<Key, String>>,
-    /// bcrypt checks made, so tests can tell a cache hit from a miss.
-    #[cfg(test)]
-    bcrypt_checks: std::sync::atomic::AtomicUsize,
+    /// Failed credentials: header digest → when the failure stops being answered.
+    failures: Mutex<HashMap<Key, Instant>>,
+    /// bcrypt checks made (`tollgate_credential_checks_total`).
+    checks: Counter,
 }
 
 // The proxy shares one `Users` between all connections.
@@ -212,8 +223,8 @@ impl Users {
                 .collect(),
             decoy,
             cache: RwLock::new(HashMap::new()),
-            #[cfg(test)]
-            bcrypt_checks: Default::default(),
+            failures: Mutex::new(HashMap::new()),
+            checks: Counter::default(),
         })
     }
 
@@ -229,6 +240,9 @@ impl Users {
         let key = cache_key(value);
         if let Some(name) = self.cached_key(&key) {
             return Some(name);
+        }
+        if self.failed_lately(&key) {
+            return None;
         }
 
         let Ok(decoded) = STANDARD_PAD_INDIFFERENT.decode(token) else {
@@ -246,11 +260,13 @@ impl Users {
             .and_then(|name| self.hashes.get_key_value(name));
         let Some((name, hash)) = known else {
             self.bcrypt(password, &self.decoy);
+            self.failed(key);
             // The name may be a password typed in the wrong field: not logged.
             tracing::debug!("proxy authentication: unknown user");
             return None;
         };
         if !self.bcrypt(password, hash) {
+            self.failed(key);
             tracing::debug!(user = %name, "proxy authentication: wrong password");
             return None;
         }
@@ -273,11 +289,36 @@ impl Users {
             .cloned()
     }
 
+    /// Counts its bcrypt checks in `checks` (the metric's counter) from now on.
+    pub fn count_checks_in(mut self, checks: Counter) -> Users {
+        self.checks = checks;
+        self
+    }
+
+    /// Whether `key` failed within [`FAILURE_TTL`].
+    fn failed_lately(&self, key: &Key) -> bool {
+        let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        failures
+            .get(key)
+            .is_some_and(|until| Instant::now() < *until)
+    }
+
+    /// Remembers a failed credential for [`FAILURE_TTL`]; bounded as the cache is.
+    fn failed(&self, key: Key) {
+        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        if failures.len() >= CACHE_CAPACITY {
+            let now = Instant::now();
+            failures.retain(|_, until| now < *until);
+            if failures.len() >= CACHE_CAPACITY {
+                failures.clear();
+            }
+        }
+        failures.insert(key, Instant::now() + FAILURE_TTL);
+    }
+
     /// Checks a password against a hash that [`Users::parse`] has already validated.
     fn bcrypt(&self, password: &[u8], hash: &str) -> bool {
-        #[cfg(test)]
-        self.bcrypt_checks
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.checks.inc();
         // Passwords past 72 bytes are truncated, as by htpasswd and every other bcrypt,
         // so a file made elsewhere verifies the same here. An error can only come from
         // a malformed hash, which `parse` refuses.
@@ -371,7 +412,6 @@ fn not_bcrypt(hash: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::sync::atomic::Ordering;
     use std::sync::OnceLock;
 
     use super::*;
@@ -405,7 +445,7 @@ mod tests {
     }
 
     fn checks(users: &Users) -> usize {
-        users.bcrypt_checks.load(Ordering::Relaxed)
+        users.checks.get() as usize
     }
 
     #[test]
@@ -557,16 +597,29 @@ mod tests {
     }
 
     #[test]
-    fn failures_are_not_cached() {
+    fn a_failure_is_answered_from_the_cache_until_it_expires() {
         let users = load(users_file());
         let wrong = basic("alice:guess");
         let unknown = basic("mallory:guess");
-        for round in 1..=2 {
+        for _ in 1..=3 {
             assert_eq!(users.verify(Some(&wrong)), None);
             // Unknown users cost a bcrypt check too, so timing does not tell them apart.
             assert_eq!(users.verify(Some(&unknown)), None);
-            assert_eq!(checks(&users), 2 * round);
+            assert_eq!(checks(&users), 2, "one check per wrong credential");
         }
+        // The good password is checked, not refused from the cache of another spelling.
+        assert!(users.verify(Some(&basic("alice:open sesame"))).is_some());
+        assert_eq!(checks(&users), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_is_checked_again_after_its_ttl() {
+        let users = load(users_file());
+        let wrong = basic("alice:guess");
+        assert_eq!(users.verify(Some(&wrong)), None);
+        tokio::time::advance(FAILURE_TTL).await;
+        assert_eq!(users.verify(Some(&wrong)), None);
+        assert_eq!(checks(&users), 2);
     }
 
     #[test]

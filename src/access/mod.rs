@@ -10,6 +10,7 @@ pub mod auth;
 pub mod policy;
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use http::{header, HeaderMap};
@@ -25,6 +26,44 @@ pub struct Access {
     pub policy: Arc<Policy>,
     users: Option<Arc<Users>>,
     clients: Vec<ipnet::IpNet>,
+    gate: Arc<Gate>,
+}
+
+/// bcrypt checks that run at once, at most: one per core keeps a flood of wrong
+/// passwords from taking more than the machine has, while cached credentials (most
+/// requests) never pass through here.
+fn checks_at_once() -> usize {
+    std::thread::available_parallelism().map_or(2, usize::from)
+}
+
+/// Credentials that may wait for a check; one more is answered `429` at once rather
+/// than wait behind them all (a check takes milliseconds: 64 of them drain within a
+/// second on two cores at htpasswd's default cost).
+pub const CHECKS_WAITING: usize = 64;
+
+/// The bound on bcrypt checks: a semaphore, and a count of who waits for it.
+pub struct Gate {
+    running: tokio::sync::Semaphore,
+    waiting: AtomicUsize,
+}
+
+impl Gate {
+    /// A place in the wait for a check, unless [`CHECKS_WAITING`] already wait.
+    fn wait(&self) -> Option<Waiting<'_>> {
+        let before = self.waiting.fetch_add(1, Ordering::Relaxed);
+        let place = Waiting(&self.waiting);
+        (before < CHECKS_WAITING).then_some(place)
+    }
+}
+
+/// A place in the wait for a check, given back when dropped (also when the client
+/// leaves while it waits).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The name tollgate gives itself in `Via` and `Proxy-Status`: a request whose `Via`
@@ -42,6 +81,8 @@ pub enum Refused {
     },
     /// `[access] users` is set and the request carries no valid `Proxy-Authorization`.
     AuthRequired,
+    /// Too many credentials wait for their bcrypt check ([`CHECKS_WAITING`]).
+    AuthBusy,
     /// The request already passed through this tollgate.
     Loop {
         /// The request's `Via` header.
@@ -52,22 +93,30 @@ pub enum Refused {
 impl Access {
     /// The checks of `config`; tollgate's own listeners are the configured `listen`
     /// addresses. Fails when the users file cannot be used.
-    pub fn new(config: &Config) -> Result<Access, ConfigError> {
+    pub fn new(
+        config: &Config,
+        checks: prometheus_client::metrics::counter::Counter,
+    ) -> Result<Access, ConfigError> {
         let mut own = vec![config.proxy.listen];
         own.extend(config.admin.as_ref().map(|a| a.listen));
         let users = match &config.access.users {
             None => None,
-            Some(path) => Some(Arc::new(Users::load(path).map_err(|e| {
-                ConfigError::Other {
+            Some(path) => {
+                let users = Users::load(path).map_err(|e| ConfigError::Other {
                     file: "access.users".into(),
                     message: e.to_string(),
-                }
-            })?)),
+                })?;
+                Some(Arc::new(users.count_checks_in(checks)))
+            }
         };
         Ok(Access {
             policy: Arc::new(Policy::new(&config.access, own)),
             users,
             clients: config.access.clients.iter().map(|c| c.0).collect(),
+            gate: Arc::new(Gate {
+                running: tokio::sync::Semaphore::new(checks_at_once()),
+                waiting: Default::default(),
+            }),
         })
     }
 
@@ -88,7 +137,7 @@ impl Access {
         let header = headers.get(header::PROXY_AUTHORIZATION);
         let check = match users.cached(header) {
             Some(user) => Check::Passed(Some(user)),
-            None => Check::Verify(users.clone(), header.cloned()),
+            None => Check::Verify(users.clone(), header.cloned(), self.gate.clone()),
         };
         loop_free(headers)?;
         Ok(check)
@@ -99,8 +148,9 @@ impl Access {
 pub enum Check {
     /// Known: the user (none when `[access] users` is not set).
     Passed(Option<String>),
-    /// Credentials not seen before: the bcrypt check is still to be made.
-    Verify(Arc<Users>, Option<http::HeaderValue>),
+    /// Credentials not seen before: the bcrypt check is still to be made, through the
+    /// gate.
+    Verify(Arc<Users>, Option<http::HeaderValue>, Arc<Gate>),
 }
 
 impl Check {
@@ -111,9 +161,16 @@ impl Check {
     pub async fn user(self) -> Result<Option<String>, Refused> {
         match self {
             Check::Passed(user) => Ok(user),
-            Check::Verify(users, header) => {
+            Check::Verify(users, header, gate) => {
+                let Some(waiting) = gate.wait() else {
+                    return Err(Refused::AuthBusy);
+                };
+                let running = gate.running.acquire().await;
+                drop(waiting);
                 let verify = tokio::task::spawn_blocking(move || users.verify(header.as_ref()));
-                match verify.await {
+                let verified = verify.await;
+                drop(running);
+                match verified {
                     Ok(Some(user)) => Ok(Some(user)),
                     _ => Err(Refused::AuthRequired),
                 }
@@ -164,5 +221,18 @@ mod tests {
         assert!(via(&["1.0 corp", "2 tollgate (comment)"]));
         assert!(!via(&[]));
         assert!(!via(&["1.1 corp-tollgate, 1.1 tollgates"]));
+    }
+
+    #[test]
+    fn the_gate_lets_so_many_wait_and_gives_a_place_back_when_one_leaves() {
+        let gate = Gate {
+            running: tokio::sync::Semaphore::new(1),
+            waiting: Default::default(),
+        };
+        let places: Vec<_> = (0..CHECKS_WAITING).map(|_| gate.wait()).collect();
+        assert!(places.iter().all(Option::is_some));
+        assert!(gate.wait().is_none(), "one more is answered at once");
+        drop(places.into_iter().next());
+        assert!(gate.wait().is_some(), "a place freed by one that left");
     }
 }

@@ -159,7 +159,7 @@ impl Proxy {
                 group,
                 timing,
             };
-            respond(answered, &live, asked, done)
+            respond(answered, &live, &self.metrics, asked, done)
         }
     }
 
@@ -431,12 +431,13 @@ struct Done {
     timing: Timing,
 }
 
-/// The response the client gets: the upstream's, or an error's own; with
-/// `Server-Timing` and the access line (of the request `asked`, method and URL) as
-/// configured.
+/// The response the client gets: the upstream's, or an error's own (a refusal of
+/// tollgate's own counted in `metrics`); with `Server-Timing` and the access line (of
+/// the request `asked`, method and URL) as configured.
 fn respond(
     answered: Result<Response<Body>, ProxyError>,
     live: &Live,
+    metrics: &Metrics,
     asked: Option<(http::Method, String)>,
     done: Done,
 ) -> Response<Body> {
@@ -444,6 +445,9 @@ fn respond(
         Ok(response) => (response, Answered::Upstream),
         Err(e) => {
             tracing::debug!(error = %e, "request failed");
+            if let Some(reason) = e.refusal_reason() {
+                metrics.refused(reason);
+            }
             let by = Answered::Tollgate(e.proxy_status_error());
             (e.into_response(), by)
         }

@@ -21,10 +21,11 @@ impl Live {
     /// it once nothing else can fail (a reload reconfigures the groups in force).
     pub(crate) fn new(
         config: &Config,
+        metrics: &Metrics,
         limits: impl FnOnce() -> Arc<Limits>,
     ) -> Result<Live, ConfigError> {
         Ok(Live {
-            access: Access::new(config)?,
+            access: Access::new(config, metrics.credential_checks.clone())?,
             classifier: Classifier::new(config),
             limits: limits(),
             access_log: config.log.access,
@@ -51,7 +52,7 @@ impl Proxy {
             }
         };
         let store = redis.clone().map_or(Store::Memory, Store::Redis);
-        let live = Live::new(config, || {
+        let live = Live::new(config, &metrics, || {
             Arc::new(Limits::new(config, metrics.clone(), store))
         })?;
         let dialer = Dialer {
@@ -117,7 +118,7 @@ impl Proxy {
         let _one_at_a_time = self.reload.lock();
         let answer = self.reload.read().and_then(|config| {
             let limits = || Arc::new(self.limits().reconfigured(&config));
-            let live = Live::new(&config, limits)?;
+            let live = Live::new(&config, &self.metrics, limits)?;
             self.dialer.policy.store(live.access.policy.clone());
             let loaded = live.loaded.clone();
             self.live.store(Arc::new(live));

@@ -329,3 +329,61 @@ async fn a_request_that_already_passed_through_tollgate_is_a_loop() {
     assert_eq!(upstream.connections(), 0);
     proxy.shutdown().await;
 }
+
+/// A wrong credential sent again and again costs one bcrypt check, and every refusal is
+/// counted by reason; while wrong credentials flood in, one already verified is
+/// answered from the cache, and the checks never exceed one per credential.
+#[tokio::test]
+async fn wrong_credentials_cost_one_check_each_and_leave_good_ones_alone() {
+    let upstream = Upstream::start(|_| Reply::ok("in")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let users = users_file(dir.path());
+    let proxy = start_proxy_with_admin(&format!(
+        "[access]\nallow = [\"127.0.0.0/8\"]\nusers = \"{}\"\n",
+        users.display()
+    ))
+    .await;
+    let url = upstream.url("/x");
+    let via = proxy.url();
+    let series = |metrics: &str, name: &str| metric_value(metrics, name).unwrap_or(0.0);
+    for _ in 0..5 {
+        let out = curl(&["-x", &via, "--proxy-user", "alice:wrong", &url], &[]).await;
+        assert_eq!(out.status, 407, "{}", out.stderr);
+    }
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert_eq!(series(&metrics, "tollgate_credential_checks_total"), 1.0);
+    let auth_required = "tollgate_refusals_total{reason=\"auth_required\"}";
+    assert_eq!(series(&metrics, auth_required), 5.0, "{metrics}");
+    // alice is verified once, then cached.
+    let out = curl(&["-x", &via, "--proxy-user", "alice:wonderland", &url], &[]).await;
+    assert_eq!(out.status, 200, "{}", out.stderr);
+    // 40 different wrong passwords at once, and alice again among them.
+    let wrong: Vec<String> = (0..40).map(|i| format!("alice:guess{i}")).collect();
+    let flood = futures_util::future::join_all(wrong.iter().map(|user| {
+        let (via, url) = (via.clone(), url.clone());
+        async move { curl(&["-x", &via, "--proxy-user", user, &url], &[]).await }
+    }));
+    let alice = async { curl(&["-x", &via, "--proxy-user", "alice:wonderland", &url], &[]).await };
+    let (flood, alice) = tokio::join!(flood, alice);
+    assert_eq!(alice.status, 200, "{}", alice.stderr);
+    let busy = flood.iter().filter(|out| out.status == 429).count();
+    assert!(
+        flood.iter().all(|out| [407, 429].contains(&out.status)),
+        "{:?}",
+        flood.iter().map(|o| o.status).collect::<Vec<_>>()
+    );
+    let metrics = admin_get(&proxy, "/metrics").await;
+    let checks = series(&metrics, "tollgate_credential_checks_total");
+    assert!(
+        checks <= 1.0 + 1.0 + 40.0 - busy as f64,
+        "{checks} checks, {busy} busy"
+    );
+    let busy_counted = series(&metrics, "tollgate_refusals_total{reason=\"auth_busy\"}");
+    assert_eq!(busy_counted, busy as f64);
+    assert_eq!(
+        upstream.requests().len(),
+        2,
+        "only alice's requests went upstream"
+    );
+    proxy.shutdown().await;
+}
