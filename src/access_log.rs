@@ -26,6 +26,8 @@ pub enum Answered {
     Upstream,
     /// tollgate itself, with its `Proxy-Status` error type.
     Tollgate(&'static str),
+    /// Nobody: the client left before its answer (status 499, as nginx logs it).
+    ClientLeft,
 }
 
 impl fmt::Display for Answered {
@@ -33,6 +35,7 @@ impl fmt::Display for Answered {
         match self {
             Answered::Upstream => f.write_str("upstream"),
             Answered::Tollgate(error) => write!(f, "tollgate:{error}"),
+            Answered::ClientLeft => f.write_str("client-left"),
         }
     }
 }

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::access::Access;
-use crate::access_log::{self, Answered, Logged, Record, Timing};
+use crate::access_log::{self, Timing};
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::error::ProxyError;
@@ -46,7 +46,10 @@ use crate::shutdown::Shutdown;
 use crate::tunnel;
 use crate::upstream::{Dialer, Upstream};
 
+mod respond;
 mod state;
+
+use respond::{respond, Done, Unanswered};
 
 /// Everything a request needs, built once from the configuration and shared by all
 /// connections.
@@ -130,9 +133,16 @@ impl Proxy {
             (asked, _) => asked,
         };
         async move {
+            let mut unanswered = Unanswered {
+                asked,
+                client,
+                arrived,
+                group: None,
+            };
             let mut timing = Timing::default();
             let mut user = None;
             let group = classified.as_ref().ok().map(|to| to.group.clone());
+            unanswered.group.clone_from(&group);
             let answered = match (checked, classified) {
                 (Err(e), classified) => Err(answered_early(e.into(), classified)),
                 (Ok(check), classified) => match (check.user().await, classified) {
@@ -159,6 +169,7 @@ impl Proxy {
                 group,
                 timing,
             };
+            let asked = unanswered.asked.take();
             respond(answered, &live, &self.metrics, asked, done)
         }
     }
@@ -421,59 +432,6 @@ async fn answer(
         }
     }
     answer
-}
-
-/// What became of a request, for its response and its access line.
-struct Done {
-    client: SocketAddr,
-    user: Option<String>,
-    group: Option<Arc<Group>>,
-    timing: Timing,
-}
-
-/// The response the client gets: the upstream's, or an error's own (a refusal of
-/// tollgate's own counted in `metrics`); with `Server-Timing` and the access line (of
-/// the request `asked`, method and URL) as configured.
-fn respond(
-    answered: Result<Response<Body>, ProxyError>,
-    live: &Live,
-    metrics: &Metrics,
-    asked: Option<(http::Method, String)>,
-    done: Done,
-) -> Response<Body> {
-    let (mut response, answered) = match answered {
-        Ok(response) => (response, Answered::Upstream),
-        Err(e) => {
-            tracing::debug!(error = %e, "request failed");
-            if let Some(reason) = e.refusal_reason() {
-                metrics.refused(reason);
-            }
-            let by = Answered::Tollgate(e.proxy_status_error());
-            (e.into_response(), by)
-        }
-    };
-    if live.server_timing && done.group.is_some() {
-        let value = access_log::server_timing(done.timing.wait);
-        if let Ok(value) = http::HeaderValue::from_str(&value) {
-            response.headers_mut().append("server-timing", value);
-        }
-    }
-    let Some((method, url)) = asked else {
-        return response;
-    };
-    let record = Record {
-        client: done.client,
-        user: done.user,
-        method,
-        url,
-        group: done.group.map(|g| g.name.to_string()),
-        status: response.status().as_u16(),
-        answered,
-        timing: done.timing,
-        bytes: 0,
-        complete: false,
-    };
-    response.map(|body| Logged::wrap(body, record))
 }
 
 /// `e`, for a classified request answered before it reached its group.

@@ -271,3 +271,42 @@ async fn a_connect_has_its_line() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!(field(&lines[0], "answered"), "tollgate:connection_refused");
 }
+
+/// A request whose client leaves while it waits in its group still has its line: status
+/// 499, answered by nobody (`client-left`), and it was never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_left_while_queued_has_its_line() {
+    install();
+    let upstream = Upstream::start(|_| Reply::ok("hello")).await;
+    let proxy = start_proxy_with_admin(
+        "[[limit]]\nname = \"once\"\nhosts = [\"127.0.0.1\"]\nrate = \"1/m\"\n",
+    )
+    .await;
+    let first = raw_request(
+        proxy.addr,
+        format!(
+            "GET {} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            upstream.url("/first")
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let request = format!(
+        "GET {} HTTP/1.1\r\nHost: x\r\n\r\n",
+        upstream.url("/left-while-queued")
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
+        .await
+        .unwrap();
+    wait_queued(&proxy, "once", 1).await;
+    drop(stream);
+    let lines = access_lines("/left-while-queued", 1).await;
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(field(&lines[0], "status"), "499", "{}", lines[0]);
+    assert_eq!(field(&lines[0], "answered"), "client-left", "{}", lines[0]);
+    assert_eq!(field(&lines[0], "group"), "once", "{}", lines[0]);
+    assert_eq!(upstream.paths(), vec!["/first".to_string()]);
+    proxy.shutdown().await;
+}
