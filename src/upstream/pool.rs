@@ -266,14 +266,15 @@ impl Inner {
     }
 
     /// Starts, once, the task that closes connections idle for `idle_timeout` (the
-    /// checkout skips them anyway; this closes their sockets). It runs on the runtime
-    /// of the thread whose pool this is, and ends with the pool.
+    /// checkout skips them anyway; this closes their sockets), within an eighth of it
+    /// after, as the other timeouts are checked. It runs on the runtime of the thread
+    /// whose pool this is, and ends with the pool.
     fn sweep_from_now_on(self: &Arc<Self>) {
         if self.sweeping.swap(true, Ordering::Relaxed) {
             return;
         }
         let pool = Arc::downgrade(self);
-        let every = (self.idle_timeout / 2).max(Duration::from_millis(100));
+        let every = (self.idle_timeout / 8).max(Duration::from_millis(100));
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
