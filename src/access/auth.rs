@@ -281,6 +281,12 @@ impl Users {
         self.cached_key(&cache_key(header?.as_bytes()))
     }
 
+    /// Whether a credential failed within [`FAILURE_TTL`]: answered at once, without
+    /// waiting for a check.
+    pub fn failed_before(&self, header: Option<&HeaderValue>) -> bool {
+        header.is_some_and(|h| self.failed_lately(&cache_key(h.as_bytes())))
+    }
+
     fn cached_key(&self, key: &Key) -> Option<String> {
         self.cache
             .read()

@@ -36,23 +36,55 @@ fn checks_at_once() -> usize {
     std::thread::available_parallelism().map_or(2, usize::from)
 }
 
-/// Credentials that may wait for a check; one more is answered `429` at once rather
-/// than wait behind them all (a check takes milliseconds: 64 of them drain within a
-/// second on two cores at htpasswd's default cost).
+/// The longest a credential waits for its check: past it, one more is answered `429`
+/// (`Retry-After: 1`) at once rather than wait behind the others. How many that lets
+/// wait follows the users file's cost: hundreds at htpasswd's default (2 ms a check),
+/// a few at cost 12 (a third of a second), so a flood of wrong passwords costs the
+/// CPU of about a second of checks per second, whatever the cost.
+pub const CHECKS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Credentials that may wait before a check's time is known.
 pub const CHECKS_WAITING: usize = 64;
 
-/// The bound on bcrypt checks: a semaphore, and a count of who waits for it.
+/// The bound on bcrypt checks: a semaphore, a count of who waits for it, and how long
+/// the last check took, in microseconds (0: none yet).
 pub struct Gate {
     running: tokio::sync::Semaphore,
     waiting: AtomicUsize,
+    check_micros: std::sync::atomic::AtomicU64,
 }
 
 impl Gate {
-    /// A place in the wait for a check, unless [`CHECKS_WAITING`] already wait.
+    fn new() -> Gate {
+        Gate {
+            running: tokio::sync::Semaphore::new(checks_at_once()),
+            waiting: Default::default(),
+            check_micros: Default::default(),
+        }
+    }
+
+    /// How many may wait: [`CHECKS_WAIT`] of checks on every core, at least one each.
+    fn room(&self) -> usize {
+        match self.check_micros.load(Ordering::Relaxed) {
+            0 => CHECKS_WAITING,
+            micros => {
+                let per_core = CHECKS_WAIT.as_micros() as u64 / micros;
+                checks_at_once() * (per_core.max(1) as usize)
+            }
+        }
+    }
+
+    /// A place in the wait for a check, unless the wait is full.
     fn wait(&self) -> Option<Waiting<'_>> {
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
         let place = Waiting(&self.waiting);
-        (before < CHECKS_WAITING).then_some(place)
+        (before < self.room()).then_some(place)
+    }
+
+    /// A check took `took`.
+    fn took(&self, took: std::time::Duration) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
+        self.check_micros.store(micros, Ordering::Relaxed);
     }
 }
 
@@ -113,10 +145,7 @@ impl Access {
             policy: Arc::new(Policy::new(&config.access, own)),
             users,
             clients: config.access.clients.iter().map(|c| c.0).collect(),
-            gate: Arc::new(Gate {
-                running: tokio::sync::Semaphore::new(checks_at_once()),
-                waiting: Default::default(),
-            }),
+            gate: Arc::new(Gate::new()),
         })
     }
 
@@ -137,6 +166,7 @@ impl Access {
         let header = headers.get(header::PROXY_AUTHORIZATION);
         let check = match users.cached(header) {
             Some(user) => Check::Passed(Some(user)),
+            None if users.failed_before(header) => return Err(Refused::AuthRequired),
             None => Check::Verify(users.clone(), header.cloned(), self.gate.clone()),
         };
         loop_free(headers)?;
@@ -167,8 +197,10 @@ impl Check {
                 };
                 let running = gate.running.acquire().await;
                 drop(waiting);
+                let started = tokio::time::Instant::now();
                 let verify = tokio::task::spawn_blocking(move || users.verify(header.as_ref()));
                 let verified = verify.await;
+                gate.took(started.elapsed());
                 drop(running);
                 match verified {
                     Ok(Some(user)) => Ok(Some(user)),
@@ -225,14 +257,19 @@ mod tests {
 
     #[test]
     fn the_gate_lets_so_many_wait_and_gives_a_place_back_when_one_leaves() {
-        let gate = Gate {
-            running: tokio::sync::Semaphore::new(1),
-            waiting: Default::default(),
-        };
+        let gate = Gate::new();
         let places: Vec<_> = (0..CHECKS_WAITING).map(|_| gate.wait()).collect();
         assert!(places.iter().all(Option::is_some));
         assert!(gate.wait().is_none(), "one more is answered at once");
         drop(places.into_iter().next());
         assert!(gate.wait().is_some(), "a place freed by one that left");
+        // A second of checks per core may wait: few when a check is slow.
+        let cores = checks_at_once();
+        gate.took(std::time::Duration::from_millis(300));
+        assert_eq!(gate.room(), cores * 3);
+        gate.took(std::time::Duration::from_millis(2));
+        assert_eq!(gate.room(), cores * 500);
+        gate.took(std::time::Duration::from_secs(5));
+        assert_eq!(gate.room(), cores);
     }
 }
