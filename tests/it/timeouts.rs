@@ -435,6 +435,41 @@ async fn client_header_timeout_leaves_a_slow_download_alone() {
     proxy.shutdown().await;
 }
 
+/// Uploads `len` bytes of [`pattern`] to the bulk upstream's `/upload` through `proxy`,
+/// in three parts with a [`STALL`] before each of the last two, and asserts the
+/// upstream's answer: `200` and the digest of what it received.
+async fn upload_with_stalls(proxy: &Proxy, upstream: &Upstream, len: usize) {
+    let what = format!("{len}-byte upload");
+    bounded(&what, async {
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        let head = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n\r\n",
+            upstream.url("/upload"),
+            upstream.authority()
+        );
+        stream.write_all(head.as_bytes()).await.expect("write head");
+        let cuts = [0, len / 3, 2 * len / 3, len];
+        for (i, part) in cuts.windows(2).enumerate() {
+            if i > 0 {
+                // The slow uploader: silent for longer than the timeout under test.
+                tokio::time::sleep(STALL).await;
+            }
+            write_pattern(&mut stream, part[0], part[1])
+                .await
+                .unwrap_or_else(|e| panic!("{what}: write after {} failed: {e}", part[0]));
+        }
+        let response = read_response(&mut stream).await;
+        let expected = pattern_digest(len as u64);
+        assert_eq!(response.status, 200, "{what}: {}", response.text());
+        assert_eq!(
+            response.text(),
+            format!("{} {}", expected.len, expected.hash),
+            "{what}: the upstream received something else"
+        );
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn client_header_timeout_leaves_a_slow_upload_alone() {
     // One body small enough to be read whole before it is sent (replayable after a
@@ -442,36 +477,7 @@ async fn client_header_timeout_leaves_a_slow_upload_alone() {
     let upstream = Upstream::start_bulk().await;
     let proxy = start_proxy(&format!("[proxy]\nclient_header_timeout = \"{SHORT}\"\n")).await;
     for len in [256 * 1024, 3 << 20] {
-        let what = format!("{len}-byte upload");
-        bounded(&what, async {
-            let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
-            let head = format!(
-                "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n\r\n",
-                upstream.url("/upload"),
-                upstream.authority()
-            );
-            stream.write_all(head.as_bytes()).await.expect("write head");
-            // The body in three parts, with a stall before each of the last two.
-            let cuts = [0, len / 3, 2 * len / 3, len];
-            for (i, part) in cuts.windows(2).enumerate() {
-                if i > 0 {
-                    // The slow uploader: silent for longer than the header timeout.
-                    tokio::time::sleep(STALL).await;
-                }
-                write_pattern(&mut stream, part[0], part[1])
-                    .await
-                    .unwrap_or_else(|e| panic!("{what}: write after {} failed: {e}", part[0]));
-            }
-            let response = read_response(&mut stream).await;
-            let expected = pattern_digest(len as u64);
-            assert_eq!(response.status, 200, "{what}: {}", response.text());
-            assert_eq!(
-                response.text(),
-                format!("{} {}", expected.len, expected.hash),
-                "{what}: the upstream received something else"
-            );
-        })
-        .await;
+        upload_with_stalls(&proxy, &upstream, len).await;
     }
     assert_eq!(
         upstream.uploads(),
@@ -488,34 +494,7 @@ async fn client_header_timeout_leaves_a_slow_upload_alone() {
 async fn response_timeout_leaves_a_long_upload_alone() {
     let upstream = Upstream::start_bulk().await;
     let proxy = start_proxy(&format!("[proxy]\nresponse_timeout = \"{SHORT}\"\n")).await;
-    let len = 3 << 20;
-    bounded("long upload", async {
-        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
-        let head = format!(
-            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: {len}\r\n\r\n",
-            upstream.url("/upload"),
-            upstream.authority()
-        );
-        stream.write_all(head.as_bytes()).await.expect("write head");
-        let cuts = [0, len / 3, 2 * len / 3, len];
-        for (i, part) in cuts.windows(2).enumerate() {
-            if i > 0 {
-                // The client pauses for longer than the response timeout.
-                tokio::time::sleep(STALL).await;
-            }
-            write_pattern(&mut stream, part[0], part[1])
-                .await
-                .expect("write");
-        }
-        let response = read_response(&mut stream).await;
-        let expected = pattern_digest(len as u64);
-        assert_eq!(response.status, 200, "{}", response.text());
-        assert_eq!(
-            response.text(),
-            format!("{} {}", expected.len, expected.hash)
-        );
-    })
-    .await;
+    upload_with_stalls(&proxy, &upstream, 3 << 20).await;
     assert_eq!(upstream.uploads(), vec![pattern_digest(3 << 20)]);
     proxy.shutdown().await;
 }
