@@ -97,7 +97,7 @@ pub enum ProxyError {
         reason: String,
     },
     /// The upstream's certificate was not accepted.
-    #[error("TLS certificate of {authority} not accepted: {reason}")]
+    #[error("TLS certificate of {authority} not accepted: {reason}; an upstream with a private CA is trusted with [proxy] ca_file")]
     TlsCertificate {
         /// `host:port`.
         authority: String,
