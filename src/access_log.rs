@@ -75,6 +75,9 @@ pub struct Record {
     pub bytes: u64,
     /// Whether the whole body was sent.
     pub complete: bool,
+    /// For a CONNECT: `blind` (bytes relayed, what goes inside unseen) or
+    /// `intercepted` (decrypted: each request inside has a line of its own).
+    pub tunnel: Option<&'static str>,
 }
 
 impl Record {
@@ -94,6 +97,7 @@ impl Record {
             retries = self.timing.retries,
             bytes = self.bytes,
             complete = self.complete,
+            tunnel = %self.tunnel.unwrap_or("-"),
         );
     }
 }
@@ -263,6 +267,7 @@ mod tests {
             timing: Timing::default(),
             bytes: 0,
             complete: false,
+            tunnel: None,
         }
     }
 

@@ -133,14 +133,9 @@ impl Proxy {
             (asked, _) => asked,
         };
         async move {
-            let mut unanswered = Unanswered {
-                asked,
-                client,
-                arrived,
-                group: None,
-            };
+            let mut unanswered = Unanswered::new(asked, client, arrived);
             let mut timing = Timing::default();
-            let mut user = None;
+            let (mut user, mut tunnel) = (None, None);
             let group = classified.as_ref().ok().map(|to| to.group.clone());
             unanswered.group.clone_from(&group);
             let answered = match (checked, classified) {
@@ -152,9 +147,13 @@ impl Proxy {
                         user = who;
                         match &self.intercept {
                             Some(i) if i.covers(&to.target.host, to.target.port) => {
+                                tunnel = Some("intercepted");
                                 self.open_intercepted(to)
                             }
-                            _ => self.tunnel(to, arrived, &mut timing).await,
+                            _ => {
+                                tunnel = Some("blind");
+                                self.tunnel(to, arrived, &mut timing).await
+                            }
                         }
                     }
                     (Ok(who), Ok(to)) => {
@@ -164,6 +163,7 @@ impl Proxy {
                 },
             };
             let done = Done {
+                tunnel,
                 client,
                 user,
                 group,

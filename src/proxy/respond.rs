@@ -24,6 +24,22 @@ pub(super) struct Unanswered {
     pub(super) group: Option<Arc<Group>>,
 }
 
+impl Unanswered {
+    /// The request `asked` (when the access log is on) of `client`, arrived then.
+    pub(super) fn new(
+        asked: Option<(http::Method, String)>,
+        client: SocketAddr,
+        arrived: Instant,
+    ) -> Unanswered {
+        Unanswered {
+            asked,
+            client,
+            arrived,
+            group: None,
+        }
+    }
+}
+
 impl Drop for Unanswered {
     fn drop(&mut self) {
         let Some((method, url)) = self.asked.take() else {
@@ -43,6 +59,7 @@ impl Drop for Unanswered {
             },
             bytes: 0,
             complete: false,
+            tunnel: None,
         }
         .emit();
     }
@@ -50,6 +67,8 @@ impl Drop for Unanswered {
 
 /// What became of a request, for its response and its access line.
 pub(super) struct Done {
+    /// For a CONNECT, what it opened: `blind` or `intercepted`.
+    pub(super) tunnel: Option<&'static str>,
     pub(super) client: SocketAddr,
     pub(super) user: Option<String>,
     pub(super) group: Option<Arc<Group>>,
@@ -97,6 +116,7 @@ pub(super) fn respond(
         timing: done.timing,
         bytes: 0,
         complete: false,
+        tunnel: done.tunnel,
     };
     response.map(|body| Logged::wrap(body, record))
 }

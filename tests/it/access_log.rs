@@ -256,6 +256,7 @@ async fn a_connect_has_its_line() {
     assert_eq!(field(&lines[0], "method"), "CONNECT");
     assert_eq!(field(&lines[0], "status"), "200");
     assert_eq!(field(&lines[0], "answered"), "upstream");
+    assert_eq!(field(&lines[0], "tunnel"), "blind");
     drop(stream);
 
     // Refused: no tunnels to a closed port are opened, and that is logged as tollgate's.

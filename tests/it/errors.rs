@@ -144,7 +144,10 @@ async fn untrusted_upstream_certificate() {
     let out = curl(&[&format!("{}/tls/x", proxy.url())], &[]).await;
     let body = assert_curl_error(&out, 502, "tls_certificate_error");
     assert!(body.contains(&upstream.authority()), "{body}");
-    assert!(body.contains("[proxy] ca_file"), "says how to trust it: {body}");
+    assert!(
+        body.contains("[proxy] ca_file"),
+        "says how to trust it: {body}"
+    );
     assert!(upstream.requests().is_empty());
     assert!(upstream.connections() >= 1);
     proxy.shutdown().await;

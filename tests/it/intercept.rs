@@ -95,6 +95,28 @@ async fn curl_requests_in_one_tunnel_are_each_paced() {
     );
 }
 
+/// The access log tells an intercepted CONNECT from a blind one: the CONNECT's line says
+/// `tunnel=intercepted`, and each request inside has a line of its own.
+#[tokio::test]
+async fn the_access_log_says_a_tunnel_was_intercepted() {
+    let upstream_ca = TestCa::new();
+    let upstream = Upstream::start_tls_http1(|_| Reply::ok("hello"), &upstream_ca).await;
+    let ca = InterceptCa::new();
+    let mut tollgate = Tollgate::start(&config(&ca, &upstream_ca, &upstream, "")).await;
+    let cert = ca.cert_str();
+    let url = upstream.url("/inside");
+    let out = curl(
+        &["--cacert", &cert, &url],
+        &[("https_proxy", &tollgate.url())],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let connect = tollgate.wait_for_log("method=CONNECT").await;
+    assert!(connect.contains(" tunnel=intercepted"), "{connect}");
+    let inside = tollgate.wait_for_log("/inside").await;
+    assert!(inside.contains(" tunnel=-"), "{inside}");
+}
+
 #[tokio::test]
 async fn curl_speaks_h2_inside_the_tunnel() {
     let upstream_ca = TestCa::new();
