@@ -49,6 +49,8 @@ pub const CHECKS_WAITING: usize = 64;
 /// The bound on bcrypt checks: a semaphore, a count of who waits for it, and how long
 /// the last check took, in microseconds (0: none yet).
 pub struct Gate {
+    /// [`checks_at_once`], read once: it reads the cgroup's files.
+    cores: usize,
     running: tokio::sync::Semaphore,
     waiting: AtomicUsize,
     check_micros: std::sync::atomic::AtomicU64,
@@ -56,8 +58,10 @@ pub struct Gate {
 
 impl Gate {
     fn new() -> Gate {
+        let cores = checks_at_once();
         Gate {
-            running: tokio::sync::Semaphore::new(checks_at_once()),
+            cores,
+            running: tokio::sync::Semaphore::new(cores),
             waiting: Default::default(),
             check_micros: Default::default(),
         }
@@ -69,7 +73,7 @@ impl Gate {
             0 => CHECKS_WAITING,
             micros => {
                 let per_core = CHECKS_WAIT.as_micros() as u64 / micros;
-                checks_at_once() * (per_core.max(1) as usize)
+                self.cores * (per_core.max(1) as usize)
             }
         }
     }
