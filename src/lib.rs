@@ -58,6 +58,7 @@ mod intercept;
 #[cfg(test)]
 mod layers;
 mod limit;
+mod llm;
 mod metrics;
 mod path;
 mod precise_sleep;

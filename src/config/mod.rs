@@ -23,10 +23,12 @@ use toml::Spanned;
 mod external;
 mod source;
 mod tables;
+mod tokens;
 mod values;
 
 pub use external::{Place, Places};
 pub use source::Source;
+pub use tokens::TokenSettings;
 
 pub use tables::{
     AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, InterceptConfig,
@@ -223,6 +225,11 @@ struct RawSettings {
     adaptive: Option<Spanned<bool>>,
     min_rate: Option<Spanned<Rate>>,
     shared_concurrency: Option<bool>,
+    tokens: Option<Rates>,
+    input_tokens: Option<Rates>,
+    output_tokens: Option<Rates>,
+    llm: Option<crate::llm::Dialect>,
+    max_output_tokens: Option<Spanned<u32>>,
 }
 
 type Located = (Range<usize>, String);
@@ -303,7 +310,16 @@ impl RawSettings {
                 ));
             }
         }
+        let tokens = tokens::RawTokens {
+            tokens: self.tokens,
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            llm: self.llm,
+            max_output_tokens: self.max_output_tokens,
+        }
+        .resolve(&base.tokens)?;
         Ok(GroupSettings {
+            tokens,
             rates,
             burst: within(self.burst, "burst", MAX_BURST, base.burst)?,
             concurrency: within(

@@ -135,6 +135,8 @@ pub struct GroupSettings {
     /// With the Redis backend: count in-flight requests across all replicas (leases in
     /// Redis) instead of per replica.
     pub shared_concurrency: bool,
+    /// Token budgets, for a group that calls an LLM API.
+    pub tokens: super::TokenSettings,
 }
 
 impl Default for GroupSettings {
@@ -153,6 +155,7 @@ impl Default for GroupSettings {
             adaptive: false,
             min_rate: None,
             shared_concurrency: false,
+            tokens: super::TokenSettings::default(),
         }
     }
 }
