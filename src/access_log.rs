@@ -40,9 +40,13 @@ impl fmt::Display for Answered {
     }
 }
 
+/// The input and output tokens a request to an LLM API spent, set when its answer's
+/// body ends (docs/tokens.md).
+pub type Spent = std::sync::Arc<std::sync::OnceLock<(u32, u32)>>;
+
 /// What the path of a request measured: its waits in the queue, its time upstream and
 /// its replays.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct Timing {
     /// Time spent waiting in the group's queue, over every attempt.
     pub wait: Duration,
@@ -50,6 +54,8 @@ pub struct Timing {
     pub upstream: Duration,
     /// Attempts sent again after a push-back.
     pub retries: u32,
+    /// The tokens it spent, in a group that counts them.
+    pub tokens: Option<Spent>,
 }
 
 /// One request, as its access-log line tells it.
@@ -98,7 +104,25 @@ impl Record {
             bytes = self.bytes,
             complete = self.complete,
             tunnel = %self.tunnel.unwrap_or("-"),
+            tokens_in = %Count(self.tokens().map(|t| t.0)),
+            tokens_out = %Count(self.tokens().map(|t| t.1)),
         );
+    }
+
+    fn tokens(&self) -> Option<(u32, u32)> {
+        self.timing.tokens.as_ref()?.get().copied()
+    }
+}
+
+/// A count, or `-` for none.
+struct Count(Option<u32>);
+
+impl std::fmt::Display for Count {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("-"),
+        }
     }
 }
 

@@ -83,6 +83,7 @@ pub struct Metrics {
     upstream_duration: HistogramFamily,
     upstream_errors: Family<KindLabels, Counter>,
     learned: Family<GroupLabel, RateGauge>,
+    tokens: Family<KindLabels, Counter>,
 }
 
 /// A client connection counted in `tollgate_client_connections` while it lives.
@@ -125,6 +126,8 @@ pub struct GroupMetrics {
     pub upstream: Arc<UpstreamMetrics>,
     /// The pace learned from the upstream's refusals (docs/budget.md).
     pub learned_pace: LearnedPace,
+    /// The tokens its upstream reported used.
+    pub tokens: TokenMetrics,
 }
 
 /// `tollgate_learned_pace` of one group: a series only while the group keeps a pace,
@@ -141,6 +144,28 @@ impl LearnedPace {
         match pace {
             Some(pace) => _ = self.family.get_or_create(&self.label).set(pace),
             None => _ = self.family.remove(&self.label),
+        }
+    }
+}
+
+/// `tollgate_tokens_total` of one group: the tokens its upstream reported used, by
+/// kind. Series appear with the first answer that reports usage, so a group that
+/// counts no tokens has none.
+#[derive(Debug, Clone)]
+pub struct TokenMetrics {
+    family: Family<KindLabels, Counter>,
+    group: String,
+}
+
+impl TokenMetrics {
+    /// Counts the usage of one answer.
+    pub fn used(&self, input: u64, output: u64) {
+        for (kind, n) in [("input", input), ("output", output)] {
+            let labels = KindLabels {
+                group: self.group.clone(),
+                kind,
+            };
+            self.family.get_or_create(&labels).inc_by(n);
         }
     }
 }
@@ -293,6 +318,10 @@ const CLIENT_CONNECTIONS: Series = (
     "tollgate_client_connections",
     "Client connections open now, idle ones and those with a request waiting",
 );
+const TOKENS: Series = (
+    "tollgate_tokens",
+    "Tokens the upstream reported used, by group and kind (input, output)",
+);
 const LEARNED: Series = (
     "tollgate_learned_pace",
     "Requests per second the group keeps to, learned from the upstream's refusals",
@@ -341,6 +370,7 @@ impl Metrics {
         let config_reload_failures = registered(r, CONFIG_RELOAD_FAILURES, Counter::default());
         let client_connections = registered(r, CLIENT_CONNECTIONS, Gauge::default());
         let learned = registered(r, LEARNED, Family::default());
+        let tokens = registered(r, TOKENS, Family::default());
         let credential_checks = registered(r, CREDENTIAL_CHECKS, Counter::default());
         let refusals = registered(r, REFUSALS, Family::default());
         Metrics {
@@ -354,6 +384,7 @@ impl Metrics {
             upstream_errors,
             registry: Mutex::new(registry),
             learned,
+            tokens,
             queue_depth,
             in_flight,
             requests,
@@ -413,6 +444,10 @@ impl Metrics {
             learned_pace: LearnedPace {
                 family: self.learned.clone(),
                 label: label.clone(),
+            },
+            tokens: TokenMetrics {
+                family: self.tokens.clone(),
+                group: name.to_string(),
             },
         }
     }

@@ -195,6 +195,20 @@ impl Replayable {
         Ok(())
     }
 
+    /// The request's URI and headers, and its body when it is in memory: what an
+    /// estimate of its tokens reads.
+    pub fn peek(&self) -> Option<(&http::Uri, &http::HeaderMap, Option<&Bytes>)> {
+        match self {
+            Replayable::Buffered { parts, body, .. } => {
+                Some((&parts.uri, &parts.headers, Some(body)))
+            }
+            Replayable::Once(Some(req)) | Replayable::Unread(Some(req)) => {
+                Some((req.uri(), req.headers(), None))
+            }
+            Replayable::Once(None) | Replayable::Unread(None) => None,
+        }
+    }
+
     /// Whether the request can be sent again.
     pub fn can_replay(&self) -> bool {
         matches!(self, Replayable::Buffered { .. })

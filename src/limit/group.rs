@@ -28,7 +28,9 @@ use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
 use super::rate::Rates;
 use super::store::{Slot, Store, RECHECK_AHEAD, RECHECK_BEFORE};
+use super::tokens::{TokenBudget, TokenStatus};
 use crate::config::GroupSettings;
+use crate::llm::Tokens;
 use crate::metrics::GroupMetrics;
 
 /// Why a request was not admitted.
@@ -56,6 +58,26 @@ pub enum Refusal {
     },
 }
 
+/// What a request spends of its group's budget: cost units of the request rates, and
+/// the tokens it is estimated at when the group counts tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// Units of the request rates (`costs`, else 1).
+    pub requests: u32,
+    /// Its estimate, in a group that counts tokens and a request that reads as one of
+    /// an LLM API's.
+    pub tokens: Option<Tokens>,
+}
+
+impl From<u32> for Cost {
+    fn from(requests: u32) -> Cost {
+        Cost {
+            requests,
+            tokens: None,
+        }
+    }
+}
+
 /// A budget shared by all requests to the hosts of one group.
 pub struct Group {
     /// The group's name: a `[[limit]]` name, or the host for an unlisted host.
@@ -80,6 +102,8 @@ pub(super) struct State {
     pub(super) rates: Rates,
     pub(super) pause: Pause,
     pub(super) budget: Budget,
+    /// The token buckets, in a group that counts tokens (docs/tokens.md).
+    pub(super) tokens: Option<TokenBudget>,
     /// The pace changed here and the shared store has not been told yet: the next
     /// booking (or pause) publishes it.
     pub(super) publish: bool,
@@ -104,6 +128,9 @@ pub struct GroupStatus {
     /// What the group learned of its upstream's budget (docs/budget.md).
     #[serde(flatten)]
     pub budget: budget::Status,
+    /// Its tokens, in a group that counts them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenStatus>,
 }
 
 impl Group {
@@ -133,6 +160,7 @@ impl Group {
                     !settings.rates.is_empty(),
                     floor(&settings),
                 ),
+                tokens: token_budget(&settings, &store, now),
                 publish: false,
                 version: String::new(),
             }),
@@ -158,6 +186,10 @@ impl Group {
         state.budget.reconfigure(has_rate, floor(&settings));
         let pace = state.budget.pace();
         state.rates.set_learned(pace);
+        match (&mut state.tokens, settings.tokens.counted()) {
+            (Some(tokens), true) => tokens.reconfigure(&settings.tokens, now),
+            (tokens, _) => *tokens = token_budget(&settings, &self.store, now),
+        }
         self.permits.resize(settings.concurrency);
         self.settings.store(Arc::new(settings));
         drop(state);
@@ -172,10 +204,11 @@ impl Group {
     /// had already released it (its slot counted) in the instant before.
     pub async fn admit(
         self: &Arc<Self>,
-        cost: u32,
+        cost: impl Into<Cost>,
         arrived: Instant,
         front: bool,
     ) -> Result<Permit, Refusal> {
+        let cost = cost.into();
         if let Some(permit) = self.leave_at_once(cost) {
             self.metrics.admitted.inc();
             self.metrics
@@ -227,7 +260,7 @@ impl Group {
     /// no pause, the rate open and a permit free (the common case of a group under its
     /// limits). It departs as the head of an empty queue would, without taking the
     /// turn. `None`: it joins the queue. The Redis store always books through the queue.
-    fn leave_at_once(self: &Arc<Self>, cost: u32) -> Option<Permit> {
+    fn leave_at_once(self: &Arc<Self>, cost: Cost) -> Option<Permit> {
         if !matches!(self.store, Store::Memory) {
             return None;
         }
@@ -237,7 +270,8 @@ impl Group {
             && state.pause.until(now).is_none()
             && state.budget.probe_holds(now).is_none()
             && state.budget.opens(now, false).is_none()
-            && state.rates.earliest(1.0, now) <= now;
+            && state.rates.earliest(1.0, now) <= now
+            && state.tokens_hold(cost.tokens, now).is_none();
         if !open {
             return None;
         }
@@ -296,6 +330,15 @@ impl Group {
                 ready = ready.max(until);
                 continue;
             }
+            let tokens = self.lock().tokens_hold(place.tokens, now);
+            if let Some(until) = tokens {
+                if place.deadline.is_some_and(|deadline| until > deadline) {
+                    return Err(Refusal::WaitTooLong { ahead: until - now });
+                }
+                // Or sooner, when an answer gives tokens back.
+                let _woken = tokio::time::timeout_at(until, wake).await;
+                continue;
+            }
             if let Some(until) = probed {
                 // Whichever comes first: an answer, or the probe's end.
                 let _answered = tokio::time::timeout_at(until, wake).await;
@@ -334,7 +377,11 @@ impl Group {
                 // `held` goes back: the retry may need this very permit.
                 return Ok(None);
             }
-            self.depart(&mut state, booked, ready, place.cost);
+            let cost = Cost {
+                requests: place.cost,
+                tokens: place.tokens,
+            };
+            self.depart(&mut state, booked, ready, cost);
             return Ok(Some(Permit::new(held, self.clone())));
         }
     }
@@ -387,19 +434,24 @@ impl Group {
 
     /// The head departs: counted in the budget and the local rates (unless the shared
     /// store booked it), and the requests behind it whose slots have come leave with it.
-    fn depart(&self, state: &mut State, booked: bool, ready: Instant, cost: u32) {
+    fn depart(&self, state: &mut State, booked: bool, ready: Instant, cost: Cost) {
         let now = Instant::now();
         state.budget.departed(now);
+        if let (Some(tokens), Some(estimate)) = (&mut state.tokens, cost.tokens) {
+            tokens.take(estimate, now);
+        }
         if booked {
             return;
         }
         let mut after = state
             .rates
-            .depart(self.store.local_share(), ready, now, cost);
+            .depart(self.store.local_share(), ready, now, cost.requests);
         // The shared store books each request's slot itself (and while it is down a
         // request may need several local permits, which only `Permits::acquire`
-        // takes); a pause in force holds the rest.
-        if !matches!(self.store, Store::Memory) || state.pause.until(now).is_some() {
+        // takes); a pause in force holds the rest; and each request of a group that
+        // counts tokens waits for its own estimate at the head.
+        let held = state.pause.until(now).is_some() || state.tokens.is_some();
+        if !matches!(self.store, Store::Memory) || held {
             return;
         }
         while let Some((cost, joined)) = state.queue.front() {
@@ -432,6 +484,7 @@ impl Group {
             paused_for_seconds: state.pause.until(now).map(|p| (p - now).as_secs_f64()),
             effective_rates_per_second: state.rates.per_second(),
             budget: state.budget.status(now),
+            tokens: state.tokens.as_ref().map(|t| t.status(now)),
         }
     }
 
@@ -445,6 +498,7 @@ impl Group {
             && self.in_flight.load(Ordering::Relaxed) == 0
             && state.pause.until(now).is_none()
             && state.rates.is_idle(now)
+            && state.tokens.as_ref().is_none_or(|t| t.is_idle(now))
     }
 
     /// How long a request arriving now would wait: the pause, then the rate's backlog
@@ -472,6 +526,21 @@ impl Group {
     pub(super) fn gave_permit_back(&self) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.metrics.in_flight.dec();
+    }
+}
+
+/// The token buckets of a group whose settings count tokens.
+fn token_budget(settings: &GroupSettings, store: &Store, now: Instant) -> Option<TokenBudget> {
+    let share = 1.0 / f64::from(store.replicas());
+    let counted = settings.tokens.counted();
+    counted.then(|| TokenBudget::new(&settings.tokens, share, now))
+}
+
+impl State {
+    /// Until when the tokens of a request estimated at `estimate` do not fit.
+    pub(super) fn tokens_hold(&self, estimate: Option<Tokens>, now: Instant) -> Option<Instant> {
+        let at = self.tokens.as_ref()?.earliest(estimate?, now);
+        (at > now).then_some(at)
     }
 }
 

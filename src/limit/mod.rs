@@ -24,13 +24,14 @@ pub mod queue;
 pub mod rate;
 pub mod redis;
 pub mod store;
+pub mod tokens;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
-pub use group::{Group, Refusal};
+pub use group::{Cost, Group, Refusal};
 pub use permits::Permit;
 pub use redis::Redis;
 pub use store::Store;

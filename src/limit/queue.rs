@@ -167,6 +167,8 @@ pub struct Place {
     group: Arc<Group>,
     /// The request's cost.
     pub cost: u32,
+    /// Its tokens, in a group that counts them.
+    pub tokens: Option<crate::llm::Tokens>,
     /// When it joined: from then on only the group held it back.
     pub joined: Instant,
     /// Its position.
@@ -192,11 +194,12 @@ impl Place {
     /// refuse: it was admitted before), taking the turn when nobody is ahead.
     pub fn join(
         group: &Arc<Group>,
-        cost: u32,
+        cost: super::group::Cost,
         front: bool,
         deadline: Option<Instant>,
     ) -> Result<Place, Refusal> {
         let joined = Instant::now();
+        let (tokens, cost) = (cost.tokens, cost.requests);
         let mut state = group.lock();
         let queue = &mut state.queue;
         if !front && queue.len >= group.settings().queue {
@@ -220,6 +223,7 @@ impl Place {
         Ok(Place {
             group: group.clone(),
             cost,
+            tokens,
             joined,
             key,
             deadline,

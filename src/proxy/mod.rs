@@ -38,7 +38,7 @@ use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::error::ProxyError;
 use crate::half_close::Sending;
 use crate::intercept::Intercept;
-use crate::limit::{Group, Limits, Permit, Redis};
+use crate::limit::{Cost, Group, Limits, Permit, Redis};
 use crate::metrics::Metrics;
 use crate::pushback;
 use crate::replay::Replayable;
@@ -48,6 +48,7 @@ use crate::upstream::{Dialer, Upstream};
 
 mod respond;
 mod state;
+mod tokens;
 
 use respond::{respond, Done, Unanswered};
 
@@ -233,7 +234,7 @@ impl Proxy {
     ) -> Result<Response<Body>, ProxyError> {
         to.left.disarm();
         self.refuse_denied(&mut to)?;
-        let permit = self.admit(&to.group, to.cost, arrived, false).await;
+        let permit = self.admit(&to.group, to.cost.into(), arrived, false).await;
         timing.wait = arrived.elapsed();
         let permit = permit?;
         let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
@@ -303,7 +304,7 @@ impl Proxy {
         // its permit is held while the switched connection is open.
         if let Some(protocol) = upgrade.take() {
             left.disarm();
-            let permit = self.admit(group, *cost, arrived, false).await;
+            let permit = self.admit(group, (*cost).into(), arrived, false).await;
             timing.wait = arrived.elapsed();
             let switching = self.upstream.switching(&self.tunnels, &self.cut);
             let sent = Instant::now();
@@ -326,24 +327,43 @@ impl Proxy {
         read.await?;
         // From here the group counts what becomes of the request.
         left.disarm();
+        let estimate = tokens::estimate(group, request);
+        let cost = Cost {
+            requests: *cost,
+            tokens: estimate,
+        };
         let mut attempt = 0;
         loop {
             let queued = Instant::now();
-            let permit = self.admit(group, *cost, arrived, attempt > 0).await;
+            let permit = self.admit(group, cost, arrived, attempt > 0).await;
             timing.wait += queued.elapsed();
+            let reserved = estimate
+                .filter(|_| permit.is_ok())
+                .map(|e| tokens::Reserved::new(group.clone(), e));
             // Until its response has been written, the client's end of stream waits:
             // a request that went upstream is answered (see `half_close`).
             let held = (permit?, sending.as_ref().map(Sending::start));
             let sent = Instant::now();
             let send = Box::pin(self.upstream.send(request.attempt(attempt), held));
             let response = answer(group, send, timing).await?;
+            if let Some(reserved) = &reserved {
+                reserved.announced(&response);
+            }
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
             let answered = pushback::Answered::now();
             match pushback::after_answer(group, arrived, sent, replay, attempt, response, answered)
             {
-                ControlFlow::Break(response) => return Ok(response),
+                ControlFlow::Break(response) => {
+                    return Ok(match reserved {
+                        Some(reserved) => reserved.answer(response, &mut timing.tokens),
+                        None => response,
+                    })
+                }
                 ControlFlow::Continue(()) => {
+                    if let Some(reserved) = reserved {
+                        reserved.refunded();
+                    }
                     attempt += 1;
                     timing.retries = attempt;
                 }
@@ -356,7 +376,7 @@ impl Proxy {
     async fn admit(
         &self,
         group: &Arc<Group>,
-        cost: u32,
+        cost: Cost,
         arrived: Instant,
         retry: bool,
     ) -> Result<Permit, ProxyError> {

@@ -7,6 +7,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Group, State};
+use crate::llm::headers::TokenLimits;
+use crate::llm::Tokens;
 use crate::ratelimit_headers::Announcement;
 
 impl Group {
@@ -94,5 +96,32 @@ impl Group {
     pub fn pushback_context(&self) -> (u32, Option<Duration>) {
         let state = self.lock();
         (state.pause.in_row(Instant::now()), state.rates.pace())
+    }
+}
+
+impl Group {
+    /// The answer to a request that reserved `estimate` tokens reported `used`: the
+    /// difference goes back to the buckets, or is charged. A head waiting for tokens
+    /// looks again when some came back.
+    pub fn settle_tokens(&self, estimate: Tokens, used: Tokens) {
+        let mut state = self.lock();
+        let Some(tokens) = &mut state.tokens else {
+            return;
+        };
+        let gave = tokens.settle(estimate, used, Instant::now());
+        drop(state);
+        self.metrics
+            .tokens
+            .used(u64::from(used.input), u64::from(used.output));
+        if gave {
+            self.wake.notify_waiters();
+        }
+    }
+
+    /// An answer's headers announced the upstream's token `limits`.
+    pub fn tokens_announced(&self, limits: &TokenLimits) {
+        if let Some(tokens) = &mut self.lock().tokens {
+            tokens.announced(limits, Instant::now());
+        }
     }
 }

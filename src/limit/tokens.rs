@@ -1,0 +1,389 @@
+//! A group's token budgets (docs/tokens.md): buckets of tokens that refill at a
+//! steady rate, as OpenAI and Anthropic describe their own limits.
+//!
+//! A bucket of `capacity` tokens refilling one token every `per_token` is kept in GCRA
+//! form: one time, `tat`, when it would be full again; the tokens in use at `now` are
+//! `(tat − now) / per_token`. A request reserves its estimate when it leaves; it may
+//! leave once the estimate fits in what is left (an estimate above the capacity waits
+//! for a full bucket); its answer's usage then replaces the estimate, the difference
+//! given back or charged. The configured rates (`tokens = "30000/m"`: 30 000 when full,
+//! 500 a second) and the limits the upstream announces (each answer's headers set the
+//! time the bucket is full again, and never earlier than ours) must all allow.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::config::{Rate, TokenSettings};
+use crate::llm::headers::{Announced, TokenLimits};
+use crate::llm::Tokens;
+
+/// The kinds of token a bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Input and output together.
+    Total,
+    /// Input (prompt) tokens.
+    Input,
+    /// Output (completion) tokens.
+    Output,
+}
+
+impl Kind {
+    const ALL: [Kind; 3] = [Kind::Total, Kind::Input, Kind::Output];
+
+    /// The tokens of this kind in `t`.
+    fn of(self, t: Tokens) -> u64 {
+        match self {
+            Kind::Total => t.total(),
+            Kind::Input => u64::from(t.input),
+            Kind::Output => u64::from(t.output),
+        }
+    }
+
+    /// Its name in `/status` and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Total => "total",
+            Kind::Input => "input",
+            Kind::Output => "output",
+        }
+    }
+}
+
+/// One bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Bucket {
+    kind: Kind,
+    capacity: u64,
+    per_token: Duration,
+    tat: Instant,
+}
+
+impl Bucket {
+    fn new(kind: Kind, capacity: u64, period: Duration, share: f64, now: Instant) -> Bucket {
+        let capacity = capacity.max(1);
+        Bucket {
+            kind,
+            capacity,
+            per_token: period.div_f64(capacity as f64 * share.clamp(1e-6, 1.0)),
+            tat: now,
+        }
+    }
+
+    fn span(&self, tokens: u64) -> Duration {
+        self.per_token
+            .saturating_mul(u32::try_from(tokens).unwrap_or(u32::MAX))
+    }
+
+    /// When `tokens` fit (at most the whole bucket), asked at `now`.
+    fn earliest(&self, tokens: u64, now: Instant) -> Instant {
+        let need = self.span(tokens.min(self.capacity));
+        let room = self.span(self.capacity);
+        (self.tat + need)
+            .checked_sub(room)
+            .map_or(now, |t| t.max(now))
+    }
+
+    /// Takes `tokens` at `at`.
+    fn take(&mut self, tokens: u64, at: Instant) {
+        self.tat = self.tat.max(at) + self.span(tokens);
+    }
+
+    /// Gives `tokens` back at `now`: never more than the bucket has in use.
+    fn give_back(&mut self, tokens: u64, now: Instant) {
+        self.tat = self
+            .tat
+            .checked_sub(self.span(tokens))
+            .unwrap_or(now)
+            .max(now);
+    }
+
+    /// The tokens in use at `now`.
+    fn in_use(&self, now: Instant) -> u64 {
+        let used = self.tat.saturating_duration_since(now).as_secs_f64();
+        (used / self.per_token.as_secs_f64().max(1e-12)).round() as u64
+    }
+}
+
+/// What `/status` shows of one bucket.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BucketStatus {
+    /// `total`, `input` or `output`.
+    pub kind: &'static str,
+    /// Configured, or announced by the upstream.
+    pub source: &'static str,
+    /// Tokens when full.
+    pub capacity: u64,
+    /// Tokens refilled per second (this replica's share).
+    pub per_second: f64,
+    /// Tokens in use now (reserved or spent, not yet refilled).
+    pub in_use: u64,
+}
+
+/// What `/status` shows of a group's tokens.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct TokenStatus {
+    /// Estimates of the requests in flight, not yet replaced by their usage.
+    pub reserved: u64,
+    /// Input tokens the upstream reported, since the group began.
+    pub used_input: u64,
+    /// Output tokens the upstream reported, since the group began.
+    pub used_output: u64,
+    /// Every bucket that holds the group.
+    pub buckets: Vec<BucketStatus>,
+}
+
+/// A group's token buckets.
+#[derive(Debug)]
+pub struct TokenBudget {
+    configured: Vec<Bucket>,
+    /// What the upstream announced, by kind (`Kind::ALL`'s order).
+    announced: [Option<Bucket>; 3],
+    /// The share of each refill this process spends (1 / replicas with a shared store).
+    share: f64,
+    reserved: u64,
+    used: Tokens64,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Tokens64 {
+    input: u64,
+    output: u64,
+}
+
+impl TokenBudget {
+    /// The buckets `settings` configure, full at `now`.
+    pub fn new(settings: &TokenSettings, share: f64, now: Instant) -> TokenBudget {
+        let mut budget = TokenBudget {
+            configured: Vec::new(),
+            announced: [None; 3],
+            share,
+            reserved: 0,
+            used: Tokens64::default(),
+        };
+        budget.reconfigure(settings, now);
+        budget
+    }
+
+    /// Takes new settings (a reload), keeping what is in use of each bucket kept.
+    pub fn reconfigure(&mut self, settings: &TokenSettings, now: Instant) {
+        let rates: [(Kind, &Vec<Rate>); 3] = [
+            (Kind::Total, &settings.total),
+            (Kind::Input, &settings.input),
+            (Kind::Output, &settings.output),
+        ];
+        let old = std::mem::take(&mut self.configured);
+        for (kind, list) in rates {
+            for rate in list {
+                let mut bucket = Bucket::new(kind, rate.limit, rate.period, self.share, now);
+                if let Some(kept) = old.iter().find(|b| b.kind == kind) {
+                    bucket.take(kept.in_use(now), now);
+                }
+                self.configured.push(bucket);
+            }
+        }
+    }
+
+    fn buckets(&self) -> impl Iterator<Item = &Bucket> {
+        self.configured
+            .iter()
+            .chain(self.announced.iter().flatten())
+    }
+
+    /// When a request estimated at `estimate` may leave, asked at `now`.
+    pub fn earliest(&self, estimate: Tokens, now: Instant) -> Instant {
+        self.buckets()
+            .map(|b| b.earliest(b.kind.of(estimate), now))
+            .fold(now, Instant::max)
+    }
+
+    /// A request estimated at `estimate` leaves at `at`.
+    pub fn take(&mut self, estimate: Tokens, at: Instant) {
+        self.reserved += estimate.total();
+        let all = self
+            .configured
+            .iter_mut()
+            .chain(self.announced.iter_mut().flatten());
+        for bucket in all {
+            bucket.take(bucket.kind.of(estimate), at);
+        }
+    }
+
+    /// The answer to a request that reserved `estimate` reported `used` (what it did not
+    /// report counts as estimated): the difference is given back or charged. Whether
+    /// any tokens came back (a waiting request may fit now).
+    pub fn settle(&mut self, estimate: Tokens, used: Tokens, now: Instant) -> bool {
+        self.reserved = self.reserved.saturating_sub(estimate.total());
+        self.used.input += u64::from(used.input);
+        self.used.output += u64::from(used.output);
+        let mut gave = false;
+        let all = self
+            .configured
+            .iter_mut()
+            .chain(self.announced.iter_mut().flatten());
+        for bucket in all {
+            let (reserved, spent) = (bucket.kind.of(estimate), bucket.kind.of(used));
+            if spent > reserved {
+                bucket.take(spent - reserved, now);
+            } else if spent < reserved {
+                bucket.give_back(reserved - spent, now);
+                gave = true;
+            }
+        }
+        gave
+    }
+
+    /// What an answer's headers announced at `now`: each bucket is full again no earlier
+    /// than the upstream says.
+    pub fn announced(&mut self, limits: &TokenLimits, now: Instant) {
+        let by_kind = [limits.total, limits.input, limits.output];
+        for ((kind, slot), said) in Kind::ALL.iter().zip(&mut self.announced).zip(by_kind) {
+            let Some(Announced { limit, reset, .. }) = said else {
+                continue;
+            };
+            // Both providers document their token limits per minute.
+            let fresh = Bucket::new(*kind, limit, Duration::from_secs(60), self.share, now);
+            let bucket = match slot {
+                Some(b) if b.capacity == limit => b,
+                _ => slot.insert(fresh),
+            };
+            bucket.tat = bucket.tat.max(now + reset);
+        }
+    }
+
+    /// A snapshot for `/status`.
+    pub fn status(&self, now: Instant) -> TokenStatus {
+        let configured = self.configured.iter().map(|b| (b, "configured"));
+        let announced = self.announced.iter().flatten().map(|b| (b, "announced"));
+        TokenStatus {
+            reserved: self.reserved,
+            used_input: self.used.input,
+            used_output: self.used.output,
+            buckets: configured
+                .chain(announced)
+                .map(|(b, source)| BucketStatus {
+                    kind: b.kind.as_str(),
+                    source,
+                    capacity: b.capacity,
+                    per_second: 1.0 / b.per_token.as_secs_f64().max(1e-12),
+                    in_use: b.in_use(now),
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether nothing is reserved and every bucket is full: the group holds no token
+    /// state worth keeping.
+    pub fn is_idle(&self, now: Instant) -> bool {
+        self.reserved == 0 && self.buckets().all(|b| b.tat <= now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(total: &str, input: &str, output: &str) -> TokenSettings {
+        let rates = |s: &str| s.split_whitespace().map(|r| r.parse().unwrap()).collect();
+        TokenSettings {
+            total: rates(total),
+            input: rates(input),
+            output: rates(output),
+            llm: Some(crate::llm::Dialect::Auto),
+            max_output: 4096,
+        }
+    }
+
+    fn t(input: u32, output: u32) -> Tokens {
+        Tokens { input, output }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_full_bucket_lets_its_capacity_go_then_waits_for_the_refill() {
+        let now = Instant::now();
+        // 6 000 a minute: 100 a second, 6 000 when full.
+        let mut b = TokenBudget::new(&settings("6000/m", "", ""), 1.0, now);
+        assert_eq!(b.earliest(t(4000, 1000), now), now);
+        b.take(t(4000, 1000), now);
+        assert_eq!(b.earliest(t(1000, 0), now), now);
+        // 5 000 in use: 1 500 more need 500 refilled, 5 s.
+        assert_eq!(b.earliest(t(1000, 500), now), now + ms(5000));
+        // More than the whole bucket waits for a full one, not forever.
+        assert_eq!(b.earliest(t(9000, 0), now), now + ms(50_000));
+    }
+
+    #[test]
+    fn usage_below_the_estimate_comes_back_above_it_is_charged() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("6000/m", "", ""), 1.0, now);
+        b.take(t(1000, 4000), now);
+        assert!(b.settle(t(1000, 4000), t(900, 100), now));
+        assert_eq!(b.status(now).buckets[0].in_use, 1000);
+        assert_eq!(b.status(now).reserved, 0);
+        b.take(t(100, 100), now);
+        assert!(!b.settle(t(100, 100), t(150, 450), now));
+        assert_eq!(b.status(now).buckets[0].in_use, 1600);
+        // Never more back than is in use.
+        b.settle(t(0, 0), t(0, 0), now);
+        b.take(t(10, 10), now);
+        b.settle(t(10, 5000), t(0, 0), now);
+        assert!(b.is_idle(now));
+    }
+
+    #[test]
+    fn input_and_output_buckets_each_count_their_kind() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("", "600/m", "60/m"), 1.0, now);
+        b.take(t(600, 30), now);
+        // Input is spent: 10 more wait 1 s; output has 30 left.
+        assert_eq!(b.earliest(t(10, 30), now), now + ms(1000));
+        assert_eq!(b.earliest(t(0, 40), now), now + ms(10_000));
+    }
+
+    #[test]
+    fn announced_limits_hold_no_earlier_than_the_upstream_says() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("", "", ""), 1.0, now);
+        assert_eq!(b.earliest(t(5000, 5000), now), now);
+        let said = |remaining, reset| TokenLimits {
+            total: Some(Announced {
+                limit: 6000,
+                remaining,
+                reset: ms(reset),
+            }),
+            ..TokenLimits::default()
+        };
+        // 6 000 a minute, full again in 30 s: 3 000 in use.
+        b.announced(&said(3000, 30_000), now);
+        assert_eq!(b.earliest(t(3000, 0), now), now);
+        assert_eq!(b.earliest(t(3000, 100), now), now + ms(1000));
+        // A later answer that says less is in use does not undo what we took.
+        b.take(t(3000, 0), now);
+        b.announced(&said(3000, 30_000), now);
+        assert_eq!(b.status(now).buckets[0].in_use, 6000);
+        assert_eq!(b.status(now).buckets[0].source, "announced");
+    }
+
+    #[test]
+    fn a_shared_store_spends_this_replicas_share_of_each_refill() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("6000/m", "", ""), 0.5, now);
+        b.take(t(6000, 0), now);
+        assert_eq!(b.earliest(t(100, 0), now), now + ms(2000));
+    }
+
+    #[test]
+    fn a_reload_keeps_what_is_in_use() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("6000/m", "", ""), 1.0, now);
+        b.take(t(3000, 0), now);
+        b.reconfigure(&settings("12000/m", "", ""), now);
+        assert_eq!(b.status(now).buckets[0].in_use, 3000);
+        assert_eq!(b.earliest(t(9000, 0), now), now);
+    }
+}
