@@ -28,9 +28,8 @@ use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
 use super::rate::Rates;
 use super::store::{Slot, Store, RECHECK_AHEAD, RECHECK_BEFORE};
-use super::tokens::{TokenBudget, TokenStatus};
+use super::tokens::{token_budget, Cost, TokenBudget, TokenStatus};
 use crate::config::GroupSettings;
-use crate::llm::Tokens;
 use crate::metrics::GroupMetrics;
 
 /// Why a request was not admitted.
@@ -56,26 +55,6 @@ pub enum Refusal {
         /// An estimate of when a new request could leave.
         retry_after: Duration,
     },
-}
-
-/// What a request spends of its group's budget: cost units of the request rates, and
-/// the tokens it is estimated at when the group counts tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Cost {
-    /// Units of the request rates (`costs`, else 1).
-    pub requests: u32,
-    /// Its estimate, in a group that counts tokens and a request that reads as one of
-    /// an LLM API's.
-    pub tokens: Option<Tokens>,
-}
-
-impl From<u32> for Cost {
-    fn from(requests: u32) -> Cost {
-        Cost {
-            requests,
-            tokens: None,
-        }
-    }
 }
 
 /// A budget shared by all requests to the hosts of one group.
@@ -526,21 +505,6 @@ impl Group {
     pub(super) fn gave_permit_back(&self) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.metrics.in_flight.dec();
-    }
-}
-
-/// The token buckets of a group whose settings count tokens.
-fn token_budget(settings: &GroupSettings, store: &Store, now: Instant) -> Option<TokenBudget> {
-    let share = 1.0 / f64::from(store.replicas());
-    let counted = settings.tokens.counted();
-    counted.then(|| TokenBudget::new(&settings.tokens, share, now))
-}
-
-impl State {
-    /// Until when the tokens of a request estimated at `estimate` do not fit.
-    pub(super) fn tokens_hold(&self, estimate: Option<Tokens>, now: Instant) -> Option<Instant> {
-        let at = self.tokens.as_ref()?.earliest(estimate?, now);
-        (at > now).then_some(at)
     }
 }
 

@@ -31,10 +31,11 @@ use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, GroupSettings, HostPattern};
 use crate::metrics::Metrics;
-pub use group::{Cost, Group, Refusal};
+pub use group::{Group, Refusal};
 pub use permits::Permit;
 pub use redis::Redis;
 pub use store::Store;
+pub use tokens::Cost;
 
 /// The maps looked up for every request, by host or by route name.
 type Map<V> = HashMap<String, V>;

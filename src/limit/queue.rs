@@ -194,7 +194,7 @@ impl Place {
     /// refuse: it was admitted before), taking the turn when nobody is ahead.
     pub fn join(
         group: &Arc<Group>,
-        cost: super::group::Cost,
+        cost: super::tokens::Cost,
         front: bool,
         deadline: Option<Instant>,
     ) -> Result<Place, Refusal> {

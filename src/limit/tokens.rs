@@ -14,9 +14,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::{Rate, TokenSettings};
+use super::group::State;
+use super::Store;
+use crate::config::{GroupSettings, Rate, TokenSettings};
 use crate::llm::headers::{Announced, TokenLimits};
 use crate::llm::Tokens;
+
+/// The period of an announced token limit until its answers show their refill.
+const MINUTE: Duration = Duration::from_secs(60);
 
 /// The kinds of token a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -239,15 +244,27 @@ impl TokenBudget {
     pub fn announced(&mut self, limits: &TokenLimits, now: Instant) {
         let by_kind = [limits.total, limits.input, limits.output];
         for ((kind, slot), said) in Kind::ALL.iter().zip(&mut self.announced).zip(by_kind) {
-            let Some(Announced { limit, reset, .. }) = said else {
+            let Some(Announced {
+                limit,
+                remaining,
+                reset,
+            }) = said
+            else {
                 continue;
             };
-            // Both providers document their token limits per minute.
-            let fresh = Bucket::new(*kind, limit, Duration::from_secs(60), self.share, now);
+            // Both providers document their token limits per minute; the refill the
+            // answer shows (`reset` for what is in use) says better, when enough is
+            // in use that a reset rounded to the second misleads little.
+            let in_use = limit - remaining;
+            let period = (in_use >= limit / 4 && !reset.is_zero())
+                .then(|| reset.mul_f64(limit as f64 / in_use as f64));
             let bucket = match slot {
                 Some(b) if b.capacity == limit => b,
-                _ => slot.insert(fresh),
+                _ => slot.insert(Bucket::new(*kind, limit, MINUTE, self.share, now)),
             };
+            if let Some(period) = period {
+                bucket.per_token = Bucket::new(*kind, limit, period, self.share, now).per_token;
+            }
             bucket.tat = bucket.tat.max(now + reset);
         }
     }
@@ -277,6 +294,45 @@ impl TokenBudget {
     /// state worth keeping.
     pub fn is_idle(&self, now: Instant) -> bool {
         self.reserved == 0 && self.buckets().all(|b| b.tat <= now)
+    }
+}
+
+/// What a request spends of its group's budget: cost units of the request rates, and
+/// the tokens it is estimated at when the group counts tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// Units of the request rates (`costs`, else 1).
+    pub requests: u32,
+    /// Its estimate, in a group that counts tokens and a request that reads as one of
+    /// an LLM API's.
+    pub tokens: Option<Tokens>,
+}
+
+impl From<u32> for Cost {
+    fn from(requests: u32) -> Cost {
+        Cost {
+            requests,
+            tokens: None,
+        }
+    }
+}
+
+/// The token buckets of a group whose settings count tokens.
+pub(super) fn token_budget(
+    settings: &GroupSettings,
+    store: &Store,
+    now: Instant,
+) -> Option<TokenBudget> {
+    let share = 1.0 / f64::from(store.replicas());
+    let counted = settings.tokens.counted();
+    counted.then(|| TokenBudget::new(&settings.tokens, share, now))
+}
+
+impl State {
+    /// Until when the tokens of a request estimated at `estimate` do not fit.
+    pub(super) fn tokens_hold(&self, estimate: Option<Tokens>, now: Instant) -> Option<Instant> {
+        let at = self.tokens.as_ref()?.earliest(estimate?, now);
+        (at > now).then_some(at)
     }
 }
 
@@ -367,6 +423,26 @@ mod tests {
         b.announced(&said(3000, 30_000), now);
         assert_eq!(b.status(now).buckets[0].in_use, 6000);
         assert_eq!(b.status(now).buckets[0].source, "announced");
+    }
+
+    #[test]
+    fn the_refill_is_learned_from_what_is_in_use_and_its_reset() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("", "", ""), 1.0, now);
+        let said = |remaining, reset| TokenLimits {
+            total: Some(Announced {
+                limit: 3000,
+                remaining,
+                reset: ms(reset),
+            }),
+            ..TokenLimits::default()
+        };
+        // Little in use: a minute's refill is assumed.
+        b.announced(&said(2900, 2000), now);
+        assert_eq!(b.status(now).buckets[0].per_second.round(), 50.0);
+        // 1 500 in use, full in 3 s: 500 a second.
+        b.announced(&said(1500, 3000), now);
+        assert_eq!(b.status(now).buckets[0].per_second.round(), 500.0);
     }
 
     #[test]

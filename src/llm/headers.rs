@@ -59,10 +59,14 @@ pub fn parse(headers: &HeaderMap, now: SystemTime) -> TokenLimits {
         let [l, r, s] = [name("limit"), name("remaining"), name("reset")];
         announced(headers, [&l, &r, &s], |v| until(v, now))
     };
+    let (input, output) = (anthropic("input-tokens"), anthropic("output-tokens"));
+    // Anthropic's `tokens-*` tell the most restrictive of its limits, which are
+    // input's and output's when it sends those.
+    let either = input.is_some() || output.is_some();
     TokenLimits {
-        total: openai.or_else(|| anthropic("tokens")),
-        input: anthropic("input-tokens"),
-        output: anthropic("output-tokens"),
+        total: openai.or_else(|| (!either).then(|| anthropic("tokens")).flatten()),
+        input,
+        output,
     }
 }
 
@@ -214,7 +218,18 @@ mod tests {
             ),
         ]);
         let got = parse(&h, now);
-        assert_eq!(got.total.unwrap().reset, Duration::from_secs(1));
+        // The most restrictive of input's and output's: not a limit of its own.
+        assert_eq!(got.total, None);
+        let only_tokens = headers(
+            &h.iter()
+                .filter(|(k, _)| k.as_str().contains("-tokens-") && !k.as_str().contains("put-"))
+                .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!(
+            parse(&only_tokens, now).total.unwrap().reset,
+            Duration::from_secs(1)
+        );
         assert_eq!(got.input.unwrap().reset, Duration::from_millis(600));
         assert_eq!(got.input.unwrap().remaining, 49_500);
         // A reset in the past: full now.
