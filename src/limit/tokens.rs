@@ -7,8 +7,9 @@
 //! leave once the estimate fits in what is left (an estimate above the capacity waits
 //! for a full bucket); its answer's usage then replaces the estimate, the difference
 //! given back or charged. The configured rates (`tokens = "30000/m"`: 30 000 when full,
-//! 500 a second) and the limits the upstream announces (each answer's headers set the
-//! time the bucket is full again, and never earlier than ours) must all allow.
+//! 500 a second) and the limits the upstream announces must all allow; an announced
+//! limit holds a request both by this process's account and by the upstream's last
+//! word (what its last answer said was in use, with what was taken since).
 
 use std::time::Duration;
 
@@ -62,7 +63,14 @@ struct Bucket {
     kind: Kind,
     capacity: u64,
     per_token: Duration,
+    /// This process's account: what its requests took, and what their answers gave
+    /// back.
     tat: Instant,
+    /// The upstream's account, for a limit it announces: its last answer's, with what
+    /// this process took since. Replaced by each answer, never kept as the larger of
+    /// the two: an answer's head is older than the usage given back meanwhile, and
+    /// keeping it would charge every request's unused output once more.
+    seen: Option<Instant>,
 }
 
 impl Bucket {
@@ -73,6 +81,7 @@ impl Bucket {
             capacity,
             per_token: period.div_f64(capacity as f64 * share.clamp(1e-6, 1.0)),
             tat: now,
+            seen: None,
         }
     }
 
@@ -85,14 +94,14 @@ impl Bucket {
     fn earliest(&self, tokens: u64, now: Instant) -> Instant {
         let need = self.span(tokens.min(self.capacity));
         let room = self.span(self.capacity);
-        (self.tat + need)
-            .checked_sub(room)
-            .map_or(now, |t| t.max(now))
+        let fits = |tat: Instant| (tat + need).checked_sub(room).map_or(now, |t| t.max(now));
+        fits(self.tat).max(self.seen.map_or(now, fits))
     }
 
     /// Takes `tokens` at `at`.
     fn take(&mut self, tokens: u64, at: Instant) {
         self.tat = self.tat.max(at) + self.span(tokens);
+        self.seen = self.seen.map(|seen| seen.max(at) + self.span(tokens));
     }
 
     /// Gives `tokens` back at `now`: never more than the bucket has in use.
@@ -102,6 +111,15 @@ impl Bucket {
             .checked_sub(self.span(tokens))
             .unwrap_or(now)
             .max(now);
+    }
+
+    /// Refills one token every `per_token` from `now` on, with as many in use.
+    fn refill_at(&mut self, per_token: Duration, now: Instant) {
+        let factor = per_token.as_secs_f64() / self.per_token.as_secs_f64().max(1e-12);
+        let rescale = |tat: Instant| now + tat.saturating_duration_since(now).mul_f64(factor);
+        self.tat = rescale(self.tat);
+        self.seen = self.seen.map(rescale);
+        self.per_token = per_token;
     }
 
     /// The tokens in use at `now`.
@@ -260,12 +278,16 @@ impl TokenBudget {
                 .then(|| reset.mul_f64(limit as f64 / in_use as f64));
             let bucket = match slot {
                 Some(b) if b.capacity == limit => b,
-                _ => slot.insert(Bucket::new(*kind, limit, MINUTE, self.share, now)),
+                _ => slot.insert(Bucket {
+                    tat: now + reset,
+                    ..Bucket::new(*kind, limit, MINUTE, self.share, now)
+                }),
             };
             if let Some(period) = period {
-                bucket.per_token = Bucket::new(*kind, limit, period, self.share, now).per_token;
+                let per_token = Bucket::new(*kind, limit, period, self.share, now).per_token;
+                bucket.refill_at(per_token, now);
             }
-            bucket.tat = bucket.tat.max(now + reset);
+            bucket.seen = Some(now + reset);
         }
     }
 
@@ -293,7 +315,10 @@ impl TokenBudget {
     /// Whether nothing is reserved and every bucket is full: the group holds no token
     /// state worth keeping.
     pub fn is_idle(&self, now: Instant) -> bool {
-        self.reserved == 0 && self.buckets().all(|b| b.tat <= now)
+        self.reserved == 0
+            && self
+                .buckets()
+                .all(|b| b.tat <= now && b.seen.is_none_or(|seen| seen <= now))
     }
 }
 
@@ -440,9 +465,12 @@ mod tests {
         // Little in use: a minute's refill is assumed.
         b.announced(&said(2900, 2000), now);
         assert_eq!(b.status(now).buckets[0].per_second.round(), 50.0);
-        // 1 500 in use, full in 3 s: 500 a second.
+        b.take(t(100, 0), now);
+        assert_eq!(b.status(now).buckets[0].in_use, 200);
+        // 1 500 in use, full in 3 s: 500 a second; what is in use stays in use.
         b.announced(&said(1500, 3000), now);
         assert_eq!(b.status(now).buckets[0].per_second.round(), 500.0);
+        assert_eq!(b.status(now).buckets[0].in_use, 200);
     }
 
     #[test]
