@@ -116,9 +116,9 @@ impl Bucket {
     /// Refills one token every `per_token` from `now` on, with as many in use.
     fn refill_at(&mut self, per_token: Duration, now: Instant) {
         let factor = per_token.as_secs_f64() / self.per_token.as_secs_f64().max(1e-12);
-        let rescale = |tat: Instant| now + tat.saturating_duration_since(now).mul_f64(factor);
-        self.tat = rescale(self.tat);
+        let rescale = move |tat: Instant| now + tat.saturating_duration_since(now).mul_f64(factor);
         self.seen = self.seen.map(rescale);
+        self.tat = rescale(self.tat);
         self.per_token = per_token;
     }
 

@@ -14,6 +14,7 @@ mod forward;
 mod fuzz_seeds;
 mod intercept;
 mod limiters;
+mod llm;
 mod operate;
 mod promise_access;
 mod promise_clients;
