@@ -299,16 +299,25 @@ async fn the_shipped_config_the_readme_demo_and_every_value_form_pass_check_conf
     assert_eq!(code, Some(0), "{said}");
     assert!(said.ends_with("config.toml: ok\n"), "{said}");
 
-    // demo.toml as README's "Try it" writes it, taken from README itself.
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let demo = readme
-        .split_once("cat > demo.toml <<'EOF'\n")
+    // demo.toml as docs/try-it.md writes it, taken from the page itself.
+    let page = std::fs::read_to_string(root.join("docs/try-it.md")).unwrap();
+    let demo = page
+        .split_once("cat > /tmp/demo.toml <<'EOF'\n")
         .and_then(|(_, rest)| rest.split_once("\nEOF\n"))
         .map(|(toml, _)| toml)
-        .expect("README's demo.toml");
+        .expect("docs/try-it.md's demo.toml");
     let dir = tempfile::tempdir().unwrap();
     let (code, said) = check_config(&write_file(dir.path(), "demo.toml", demo)).await;
     assert_eq!(code, Some(0), "{demo}\n{said}");
+    // And the token budgets of docs/tokens.md's example.
+    let page = std::fs::read_to_string(root.join("docs/tokens.md")).unwrap();
+    let tokens = page
+        .split_once("```toml\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(toml, _)| toml)
+        .expect("docs/tokens.md's example");
+    let (code, said) = check_config(&write_file(dir.path(), "tokens.toml", tokens)).await;
+    assert_eq!(code, Some(0), "{tokens}\n{said}");
 
     // Durations and sizes in every form README names; a duration over a year is not.
     let forms = "[proxy]\nconnect_timeout = \"250ms\"\nresponse_timeout = \"10s\"\n\

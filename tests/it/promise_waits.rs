@@ -182,7 +182,7 @@ async fn a_push_back_steps_the_pace_down_to_min_rate_and_a_calm_round_climbs_bac
     assert!((climbed - 17.5).abs() < 1e-9, "{climbed}");
 }
 
-/// The README's "Try it": scripts/demo-upstream.py's rule on port 0 (one request a
+/// "Try it" (docs/try-it.md): scripts/demo-upstream.py's rule on port 0 (one request a
 /// second, 429 with Retry-After: 1 to anything faster), behind a group told 2/s.
 async fn try_it() -> (Tollgate, Upstream, Vec<u16>, Duration) {
     let next_allowed = std::sync::Mutex::new(std::time::Instant::now());
