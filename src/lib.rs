@@ -89,6 +89,7 @@ pub mod parts {
     pub use crate::limit::gcra::{self, Gcra};
     pub use crate::limit::redis::{PAUSE, PAUSE_KEYS, RESERVE, RESERVE_KEYS};
     pub use crate::limit::{Group, Limits, Permit, Store};
+    pub use crate::llm::{estimate, usage::Scanner};
     pub use crate::metrics::Metrics;
     pub use crate::ratelimit_headers::pause_hint;
     pub use crate::retry_after::{backoff, retry_after};
