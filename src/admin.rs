@@ -1,5 +1,9 @@
 //! The admin listener: `/` (a live dashboard), `/metrics` (Prometheus), `/healthz`,
-//! `/status` (JSON per group).
+//! `/readyz`, `/status` (JSON per group).
+//!
+//! `/healthz` says the process serves (a liveness probe); `/readyz` says it takes new
+//! requests, and turns `503` the moment shutdown begins, while queued requests drain
+//! (a readiness probe: the Service stops sending, nothing restarts the process).
 //!
 //! Kept on its own address so metrics and status are never exposed to, nor throttled
 //! with, the proxied traffic.
@@ -74,6 +78,12 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
             proxy.metrics().encode(),
         ),
         (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+        (&Method::GET, "/readyz") if proxy.shutdown().draining() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "shutting down: draining queued requests\n".to_string(),
+        ),
+        (&Method::GET, "/readyz") => (StatusCode::OK, "text/plain", "ready\n".to_string()),
         (&Method::GET, "/") => (
             StatusCode::OK,
             "text/html; charset=utf-8",
@@ -98,7 +108,8 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",
-            "tollgate admin: GET / (dashboard), /metrics, /healthz or /status; POST /reload\n"
+            "tollgate admin: GET / (dashboard), /metrics, /healthz, /readyz or /status; \
+             POST /reload\n"
                 .to_string(),
         ),
     };

@@ -147,13 +147,17 @@ pub async fn run(
     let proxy = Arc::new(Proxy::new(&config)?);
     proxy.start_background();
     let stop = CancellationToken::new();
-    // However this function ends, the threads it started and the admin listener stop.
+    // However this function ends, the threads it started stop.
     let _stop_at_exit = stop.clone().drop_guard();
+    // The admin listener serves through the drain (its `/readyz` says "draining", its
+    // `/metrics` show the queues emptying) and stops when this function ends.
+    let admin_stop = CancellationToken::new();
+    let _admin_stop_at_exit = admin_stop.clone().drop_guard();
     if let Some(admin) = admin {
         tokio::spawn(crate::admin::serve(
             admin,
             proxy.clone(),
-            stop.clone().cancelled_owned(),
+            admin_stop.cancelled_owned(),
         ));
     }
     spawn_reload_on_hangup(proxy.clone(), stop.clone());
@@ -174,6 +178,9 @@ pub async fn run(
     }
     let shutdown = async {
         shutdown.await;
+        // Unready before any thread stops accepting, so `/readyz` turns as the drain
+        // begins, not once the first thread gets to it.
+        proxy.shutdown().begin();
         // Every thread stops accepting at once, and drains on its own.
         stop.cancel();
     };

@@ -4,7 +4,8 @@
 //! place; once `shutdown_grace` is over, every request still waiting in a group is
 //! answered `503` at once (it gave up its place, nothing was sent upstream), so no
 //! client of a queue that could not drain in time is left with a reset. The counts
-//! end up in the last log line.
+//! end up in the last log line. From the moment shutdown begins the admin `/readyz`
+//! answers `503`, so a load balancer stops sending while the queues drain.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -35,6 +36,11 @@ impl Shutdown {
     /// Shutdown has begun: from now on departures are counted.
     pub fn begin(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether shutdown has begun (the admin `/readyz` turns `503`).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 
     /// The grace is over: every queued request gives up its place.
@@ -82,7 +88,9 @@ mod tests {
     fn departures_count_only_while_draining() {
         let s = Shutdown::default();
         s.sent();
+        assert!(!s.draining());
         s.begin();
+        assert!(s.draining());
         s.sent();
         s.answered();
         s.cut(2);

@@ -8,6 +8,7 @@ mod support;
 mod access;
 mod access_log;
 mod check_config;
+mod deploy;
 mod errors;
 mod faults;
 mod forward;
