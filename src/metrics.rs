@@ -16,6 +16,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry};
 
+mod settings;
+
 /// The label of per-group series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GroupLabel {
@@ -84,6 +86,7 @@ pub struct Metrics {
     upstream_errors: Family<KindLabels, Counter>,
     learned: Family<GroupLabel, RateGauge>,
     tokens: Family<KindLabels, Counter>,
+    settings: settings::Families,
 }
 
 /// A client connection counted in `tollgate_client_connections` while it lives.
@@ -128,6 +131,8 @@ pub struct GroupMetrics {
     pub learned_pace: LearnedPace,
     /// The tokens its upstream reported used.
     pub tokens: TokenMetrics,
+    /// What the group is configured to allow.
+    pub settings: settings::SettingsMetrics,
 }
 
 /// `tollgate_learned_pace` of one group: a series only while the group keeps a pace,
@@ -374,6 +379,7 @@ impl Metrics {
         let credential_checks = registered(r, CREDENTIAL_CHECKS, Counter::default());
         let refusals = registered(r, REFUSALS, Family::default());
         Metrics {
+            settings: settings::Families::new(r),
             credential_checks,
             refusals,
             config_reloads,
@@ -449,6 +455,7 @@ impl Metrics {
                 family: self.tokens.clone(),
                 group: name.to_string(),
             },
+            settings: self.settings.group(label),
         }
     }
 
@@ -467,6 +474,7 @@ impl Metrics {
         self.retries.remove(&label);
         self.passed_through.remove(&label);
         self.learned.remove(&label);
+        self.settings.forget(&label);
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {
                 group: name.to_string(),

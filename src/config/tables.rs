@@ -168,6 +168,11 @@ impl GroupSettings {
             .find(|rule| rule.matches(method, path))
             .map_or(1, |rule| rule.cost)
     }
+
+    /// Units of cost per second the slowest of the rates allows; `None` without a rate.
+    pub fn slowest_rate(&self) -> Option<f64> {
+        self.rates.iter().map(Rate::per_second).reduce(f64::min)
+    }
 }
 
 /// A named group: hosts that share one budget.

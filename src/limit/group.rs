@@ -121,6 +121,7 @@ impl Group {
         store: Store,
     ) -> Group {
         let now = Instant::now();
+        (metrics.settings).show(settings.queue, settings.max_wait, settings.slowest_rate());
         let leases = match &store {
             Store::Redis(redis) if settings.shared_concurrency => Some(redis.clone()),
             _ => None,
@@ -170,6 +171,7 @@ impl Group {
             (tokens, _) => *tokens = token_budget(&settings, &self.store, now),
         }
         self.permits.resize(settings.concurrency);
+        (self.metrics.settings).show(settings.queue, settings.max_wait, settings.slowest_rate());
         self.settings.store(Arc::new(settings));
         drop(state);
         self.wake.notify_waiters();
