@@ -1,7 +1,42 @@
-//! What running tollgate in a cluster relies on: `/readyz`, which a readiness probe
-//! asks.
+//! What `deploy/` ships for running tollgate in a cluster, checked with the tools that
+//! read it: the Kubernetes manifests rendered by `kubectl kustomize`, validated against
+//! the API's schemas and checked against the config they carry
+//! (`scripts/check-kubernetes`). And `/readyz`, which the readiness probe asks. A
+//! missing tool fails its test, naming what installs it: nothing is skipped.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 
 use crate::support::*;
+
+/// The repository's root.
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `program` as found on `PATH`; fails the test, saying what installs it, when absent.
+fn tool(program: &str, installed_by: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| candidate.is_file())
+        .unwrap_or_else(|| panic!("{program} is not installed: {installed_by}"))
+}
+
+/// Runs `program args` to its end (within [`BOUND`]): its exit code, stdout and stderr.
+async fn run(program: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = clean_command(program.to_str().expect("a UTF-8 path"), &[]);
+    cmd.args(args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let out = tokio::time::timeout(BOUND, cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{} {args:?} returned in time", program.display()))
+        .expect("the program runs");
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    (out.status.code(), text.into_owned())
+}
 
 // ---------------------------------------------------------------------------------
 // /readyz
@@ -52,4 +87,108 @@ async fn readyz_turns_503_at_sigterm_while_a_queued_request_is_still_answered() 
         "{}",
         tollgate.log()
     );
+}
+
+// ---------------------------------------------------------------------------------
+// deploy/kubernetes
+// ---------------------------------------------------------------------------------
+
+/// `scripts/check-kubernetes` on `dirs`: its exit code and output.
+async fn check_kubernetes(dirs: &[&Path]) -> (Option<i32>, String) {
+    tool(
+        "kubectl",
+        "kubectl (with kustomize) comes with the machine's image; Debian's \
+         kubernetes-client conflicts with it",
+    );
+    let python = tool("python3", "scripts/test needs python3");
+    let script = root().join("scripts/check-kubernetes");
+    let mut args = vec![
+        script.to_str().unwrap(),
+        "--tollgate",
+        env!("CARGO_BIN_EXE_tollgate"),
+    ];
+    args.extend(dirs.iter().map(|d| d.to_str().unwrap()));
+    let (code, out) = run(&python, &args).await;
+    assert!(
+        !out.contains("is not installed"),
+        "{out}\n(scripts/test installs kubernetes-validate with pip when missing)"
+    );
+    (code, out)
+}
+
+/// The base and the Redis overlay render, pass `kubernetes-validate --strict` and agree
+/// with the config they carry (`scripts/check-kubernetes` lists what it checks).
+#[tokio::test]
+async fn kubernetes_manifests_render_validate_and_agree_with_their_config() {
+    let base = root().join("deploy/kubernetes/base");
+    let overlay = root().join("deploy/kubernetes/overlays/redis");
+    let (code, out) = check_kubernetes(&[&base, &overlay]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("deploy/kubernetes/base: ok"), "{out}");
+    assert!(
+        out.contains("deploy/kubernetes/overlays/redis: ok"),
+        "{out}"
+    );
+}
+
+/// Replaces `from` with `to` in `path`, which must contain it.
+fn edit(path: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains(from), "{from:?} not in {}", path.display());
+    std::fs::write(path, text.replace(from, to)).unwrap();
+}
+
+/// Copies the directory `from` into `to`, recursively.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// The check is not a formality: a copy whose grace period is too short for the drain,
+/// whose root filesystem is writable, whose memory limit is below what the queues take,
+/// whose readiness probe asks `/healthz`, with a field the API does not know, and whose
+/// overlay's `[backend] replicas` is not its Deployment's, fails it on each count.
+#[tokio::test]
+async fn kubernetes_check_finds_what_is_broken() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&root().join("deploy/kubernetes"), dir.path());
+    let base = dir.path().join("base");
+    let deployment = base.join("deployment.yaml");
+    edit(
+        &deployment,
+        "terminationGracePeriodSeconds: 60",
+        "terminationGracePeriodSeconds: 40",
+    );
+    edit(
+        &deployment,
+        "readOnlyRootFilesystem: true",
+        "readOnlyRootFilesystem: false",
+    );
+    edit(&deployment, "memory: 256Mi\n", "memory: 64Mi\n");
+    edit(&deployment, "path: /readyz", "path: /healthz");
+    edit(&deployment, "periodSeconds: 2", "periodSecond: 2");
+    let overlay = dir.path().join("overlays/redis");
+    edit(&overlay.join("kustomization.yaml"), "count: 3", "count: 4");
+
+    let (code, out) = check_kubernetes(&[&base, &overlay]).await;
+    assert_eq!(code, Some(1), "{out}");
+    for problem in [
+        "terminationGracePeriodSeconds 40 is not longer than the preStop pause (5 s) + \
+         shutdown_grace (45 s) + 1 s",
+        "readOnlyRootFilesystem is not true",
+        "memory limit 64Mi is below 173 MiB",
+        "readinessProbe: not an HTTP GET of /readyz",
+        "Additional properties are not allowed ('periodSecond' was unexpected)",
+        "[backend] replicas = 3, the Deployment runs 4",
+    ] {
+        assert!(out.contains(problem), "{problem:?} not in:\n{out}");
+    }
 }
