@@ -1,9 +1,12 @@
 //! What `deploy/` ships for running tollgate in a cluster, checked with the tools that
 //! read it: the Kubernetes manifests rendered by `kubectl kustomize`, validated against
 //! the API's schemas and checked against the config they carry
-//! (`scripts/check-kubernetes`). And `/readyz`, which the readiness probe asks. A
-//! missing tool fails its test, naming what installs it: nothing is skipped.
+//! (`scripts/check-kubernetes`); the Prometheus alerts checked and unit-tested by
+//! `promtool`; the Grafana dashboard's queries parsed by `promtool` too; and every
+//! metric the two name exported by the binary. And `/readyz`, which the readiness probe
+//! asks. A missing tool fails its test, naming what installs it: nothing is skipped.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -191,4 +194,192 @@ async fn kubernetes_check_finds_what_is_broken() {
     ] {
         assert!(out.contains(problem), "{problem:?} not in:\n{out}");
     }
+}
+
+// ---------------------------------------------------------------------------------
+// deploy/prometheus and deploy/grafana
+// ---------------------------------------------------------------------------------
+
+/// promtool, from Debian's `prometheus`, which scripts/test installs when missing.
+fn promtool() -> PathBuf {
+    tool(
+        "promtool",
+        "it comes with Debian's `prometheus` package, which scripts/test installs",
+    )
+}
+
+#[tokio::test]
+async fn alert_rules_pass_promtool_check_and_their_unit_tests() {
+    let promtool = promtool();
+    let (code, out) = run(
+        &promtool,
+        &["check", "rules", "deploy/prometheus/alerts.yaml"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("SUCCESS: 10 rules found"), "{out}");
+    let tests = "deploy/prometheus/alerts_test.yaml";
+    let (code, out) = run(&promtool, &["test", "rules", tests]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("SUCCESS"), "{out}");
+}
+
+/// The alerts' names, from their `- alert: Name` lines.
+fn alert_names() -> Vec<String> {
+    let rules = std::fs::read_to_string(root().join("deploy/prometheus/alerts.yaml")).unwrap();
+    (rules.lines())
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every alert points at a runbook section of docs/operations.md named after it.
+#[test]
+fn every_alert_has_a_runbook_section() {
+    let rules = std::fs::read_to_string(root().join("deploy/prometheus/alerts.yaml")).unwrap();
+    let operations = std::fs::read_to_string(root().join("docs/operations.md")).unwrap();
+    let alerts = alert_names();
+    assert_eq!(alerts.len(), 10, "{alerts:?}");
+    for alert in &alerts {
+        let anchor = format!("runbook: \"docs/operations.md#{}\"", alert.to_lowercase());
+        assert!(rules.contains(&anchor), "{alert} has no {anchor}");
+        let heading = format!("\n### {alert}\n");
+        assert!(
+            operations.contains(&heading),
+            "docs/operations.md has no {heading:?}"
+        );
+    }
+}
+
+/// The dashboard's queries, with Grafana's variables replaced by what Prometheus reads.
+fn dashboard_queries() -> Vec<String> {
+    let text = std::fs::read_to_string(root().join("deploy/grafana/tollgate.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().expect("a target has an expr");
+            queries.push(
+                expr.replace("$__rate_interval", "5m")
+                    .replace("$group", ".*"),
+            );
+        }
+    }
+    queries
+}
+
+/// Every query of the dashboard is PromQL Prometheus parses: promtool checks them as
+/// the expressions of recording rules.
+#[tokio::test]
+async fn dashboard_queries_parse_as_promql() {
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 20, "{queries:?}");
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, query) in queries.iter().enumerate() {
+        let query = serde_json::to_string(query).unwrap();
+        rules += &format!("      - record: dashboard:query{i}\n        expr: {query}\n");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write_file(dir.path(), "dashboard.yaml", &rules);
+    let (code, out) = run(&promtool(), &["check", "rules", file.to_str().unwrap()]).await;
+    assert_eq!(code, Some(0), "{out}\n{rules}");
+}
+
+/// The metric names `text` mentions (`tollgate_…`).
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("tollgate_") {
+        let name: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        rest = &rest[at + name.len()..];
+        names.insert(name);
+    }
+    names
+}
+
+/// Traffic that makes every series exist: a group with a rate whose upstream refuses
+/// bare (a pause, a replay and a learned pace), a request to a closed port (an
+/// upstream error) and one tollgate refuses itself (a loop). Returns the `/metrics`
+/// text.
+async fn scrape_after_traffic(tollgate: &Tollgate, upstream: &Upstream) -> String {
+    let refused = curl(&["-x", &tollgate.url(), &upstream.url("/refused")], &[]).await;
+    assert_eq!(
+        (refused.code, refused.status),
+        (0, 200),
+        "{}",
+        refused.stderr
+    );
+    let closed = ClosedPort::new();
+    let url = format!("http://{}/nobody", closed.addr());
+    let nobody = curl(&["-x", &tollgate.url(), &url], &[]).await;
+    assert_eq!(nobody.status, 502, "{}", nobody.stderr);
+    // A request that already passed through tollgate: refused as a loop (508).
+    let looped = [
+        "-x",
+        &tollgate.url(),
+        "-H",
+        "Via: 1.1 tollgate",
+        &upstream.url("/loop"),
+    ];
+    assert_eq!(curl(&looped, &[]).await.status, 508);
+    let found = within_bound(async || {
+        let (_, metrics) = tollgate.admin("/metrics").await;
+        metrics
+            .contains("tollgate_learned_pace{group=\"api\"}")
+            .then_some(metrics)
+    })
+    .await;
+    found.unwrap_or_else(|| panic!("no learned pace:\n{}", tollgate.log()))
+}
+
+/// Every metric the dashboard and the alerts name is exported by the binary, as a
+/// sample (not only a `# TYPE` line): scraped from a tollgate with the Redis backend,
+/// after traffic that gives every series a value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
+    let redis = RedisServer::start().await;
+    // The first request is refused bare (no Retry-After): the group pauses, learns a
+    // pace, and replays it.
+    let answered = std::sync::atomic::AtomicUsize::new(0);
+    let upstream = Upstream::start(move |_| {
+        match answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => Reply::status(429),
+            _ => Reply::ok("ok"),
+        }
+    })
+    .await;
+    let tollgate = Tollgate::start(&format!(
+        "[backend]\nkind = \"redis\"\nurl = \"{}\"\n\n[[limit]]\nname = \"api\"\n\
+         hosts = [\"127.0.0.1\"]\nrate = \"20/s\"\nretry_statuses = [429]\n{ADMIN_ON_PORT_0}",
+        redis.url()
+    ))
+    .await;
+    let metrics = scrape_after_traffic(&tollgate, &upstream).await;
+    let exported: BTreeSet<String> = metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_string)
+        .collect();
+
+    let dashboard = std::fs::read_to_string(root().join("deploy/grafana/tollgate.json")).unwrap();
+    let alerts = std::fs::read_to_string(root().join("deploy/prometheus/alerts.yaml")).unwrap();
+    let named: BTreeSet<String> = metric_names(&dashboard)
+        .into_iter()
+        .chain(metric_names(&alerts))
+        .collect();
+    assert!(named.len() >= 20, "{named:?}");
+    let missing: Vec<_> = named.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "named but not exported: {missing:?}\n{metrics}"
+    );
+    // Waited for above, and the rate that goes with it.
+    assert!(
+        metrics.contains("tollgate_configured_rate{group=\"api\"} 20.0"),
+        "{metrics}"
+    );
 }
