@@ -21,14 +21,15 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 mod answers;
+mod status;
 
-use super::budget::{self, Budget, Params};
+use super::budget::{Budget, Params};
 use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
 use super::rate::Rates;
 use super::store::{Slot, Store, RECHECK_AHEAD, RECHECK_BEFORE};
-use super::tokens::{token_budget, Cost, TokenBudget, TokenStatus};
+use super::tokens::{token_budget, Cost, TokenBudget};
 use crate::config::GroupSettings;
 use crate::metrics::GroupMetrics;
 
@@ -89,27 +90,6 @@ pub(super) struct State {
     /// The version of the shared controller this replica's pace is based on (the
     /// Redis clock at its last change; empty: none).
     pub(super) version: String,
-}
-
-/// A snapshot of a group for the admin `/status` page.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct GroupStatus {
-    /// The group's name.
-    pub name: String,
-    /// Requests waiting or at the head of the queue.
-    pub queued: usize,
-    /// Requests holding a concurrency permit.
-    pub in_flight: usize,
-    /// Seconds until the upstream's pause ends, if paused.
-    pub paused_for_seconds: Option<f64>,
-    /// The configured rates, in requests per second; empty when the group has none.
-    pub effective_rates_per_second: Vec<f64>,
-    /// What the group learned of its upstream's budget (docs/budget.md).
-    #[serde(flatten)]
-    pub budget: budget::Status,
-    /// Its tokens, in a group that counts them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tokens: Option<TokenStatus>,
 }
 
 impl Group {
@@ -454,34 +434,6 @@ impl Group {
         }
     }
 
-    /// A snapshot for `/status`.
-    pub fn status(&self) -> GroupStatus {
-        let state = self.lock();
-        let now = Instant::now();
-        GroupStatus {
-            name: self.name.to_string(),
-            queued: state.queue.len(),
-            in_flight: self.in_flight.load(Ordering::Relaxed),
-            paused_for_seconds: state.pause.until(now).map(|p| (p - now).as_secs_f64()),
-            effective_rates_per_second: state.rates.per_second(),
-            budget: state.budget.status(now),
-            tokens: state.tokens.as_ref().map(|t| t.status(now)),
-        }
-    }
-
-    /// Whether the group holds no state worth keeping: nothing queued, in flight or
-    /// paused, and its rates back to idle. An idle group can be dropped and rebuilt
-    /// later without any request noticing.
-    pub fn is_idle(&self) -> bool {
-        let state = self.lock();
-        let now = Instant::now();
-        state.queue.is_empty()
-            && self.in_flight.load(Ordering::Relaxed) == 0
-            && state.pause.until(now).is_none()
-            && state.rates.is_idle(now)
-            && state.tokens.as_ref().is_none_or(|t| t.is_idle(now))
-    }
-
     /// How long a request arriving now would wait: the pause, then the rate's backlog
     /// for the queued cost (`behind_queue`) or for nobody ahead (a retry).
     pub(super) fn estimate_wait(&self, behind_queue: bool) -> Duration {
@@ -667,14 +619,17 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
             let sent = waiting.iter().filter(|w| w.is_finished()).count();
             assert_eq!(sent, window);
-            assert_eq!(g.status().budget.phase, budget::Phase::Probing);
+            assert_eq!(
+                g.status().budget.phase,
+                crate::limit::budget::Phase::Probing
+            );
             for _ in 0..answers {
                 g.accepted(start);
             }
         }
         waiting.pop().unwrap().await.unwrap();
         assert_eq!(start.elapsed(), Params::DEFAULT.probe_for);
-        assert_eq!(g.status().budget.phase, budget::Phase::Open);
+        assert_eq!(g.status().budget.phase, crate::limit::budget::Phase::Open);
     }
 
     #[tokio::test(start_paused = true)]
@@ -897,7 +852,7 @@ mod tests {
         }
         g.push_back(Duration::from_secs(1), true, sent);
         let status = g.status().budget;
-        assert_eq!(status.phase, budget::Phase::Paced);
+        assert_eq!(status.phase, crate::limit::budget::Phase::Paced);
         // Five per second let through: a step under it, 4.5/s.
         let rate = status.pace_per_second.unwrap();
         assert!((rate - 4.5).abs() < 1e-9, "{rate}");
