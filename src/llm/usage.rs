@@ -34,6 +34,9 @@ pub struct Scanner {
     /// An event line longer than [`TAIL`] is skipped to its end.
     skipping: bool,
     seen: Usage,
+    /// A stream's last event has passed: the answer is whole, whatever becomes of
+    /// the connection after it.
+    over: bool,
 }
 
 impl Scanner {
@@ -45,7 +48,15 @@ impl Scanner {
             buf: Vec::new(),
             skipping: false,
             seen: Usage::default(),
+            over: false,
         }
+    }
+
+    /// Whether a stream's last event has passed (OpenAI's `data: [DONE]`, Anthropic's
+    /// `message_stop`, the Responses API's `response.completed`): a client may close
+    /// the connection before the body's end is read, and the usage is still whole.
+    pub fn is_over(&self) -> bool {
+        self.over
     }
 
     /// Reads the next chunk of the body.
@@ -87,6 +98,18 @@ impl Scanner {
     }
 
     fn line(&mut self, line: &[u8]) {
+        const LAST: [&[u8]; 3] = [
+            b"data: [DONE]",
+            b"\"type\":\"message_stop\"",
+            b"\"type\":\"response.completed\"",
+        ];
+        let line = line.trim_ascii_end();
+        if LAST
+            .iter()
+            .any(|end| line.windows(end.len()).any(|w| w == *end))
+        {
+            self.over = true;
+        }
         if let Some(found) = last_usage(line) {
             self.seen.input = found.input.or(self.seen.input);
             self.seen.output = found.output.or(self.seen.output);
@@ -200,6 +223,23 @@ data: {\"type\":\"message_stop\"}\n\n";
             for size in [1, 7, 64, 100_000] {
                 assert_eq!(scan(content_type, body, size), want, "{body} by {size}");
             }
+        }
+    }
+
+    #[test]
+    fn a_stream_is_over_at_its_last_event() {
+        for (body, over) in [
+            (OPENAI_SSE, true),
+            (ANTHROPIC_SSE, true),
+            ("data: {\"usage\":{\"output_tokens\":1}}\n\n", false),
+            (
+                "event: response.completed\ndata: {\"type\":\"response.completed\"}\n",
+                true,
+            ),
+        ] {
+            let mut s = Scanner::new(Some("text/event-stream"));
+            s.feed(body.as_bytes());
+            assert_eq!(s.is_over(), over, "{body}");
         }
     }
 

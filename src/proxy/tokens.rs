@@ -135,6 +135,17 @@ impl Tap {
     }
 }
 
+impl Drop for Tap {
+    /// A client may close its connection once a stream's last event has passed, before
+    /// the body's end is read: the usage is whole. Cut short before that, the request
+    /// keeps its estimate ([`Reserved`]).
+    fn drop(&mut self) {
+        if self.scanner.as_ref().is_some_and(Scanner::is_over) {
+            self.ended();
+        }
+    }
+}
+
 impl http_body::Body for Tap {
     type Data = Bytes;
     type Error = BoxError;

@@ -33,28 +33,69 @@ struct Calls {
     usage: (u64, u64),
 }
 
+/// How the SDK reaches the upstream.
+enum Via {
+    /// A `[[route]]` as its base URL.
+    Route,
+    /// `HTTPS_PROXY`, to an HTTPS upstream that tollgate intercepts (its CA in
+    /// `SSL_CERT_FILE`; the upstream's CA is tollgate's `ca_file`, not the client's).
+    Intercept,
+}
+
 /// Starts the upstream (`dialect`, `limits` its command-line limits) and tollgate with
-/// `told` in the group; runs the calls; returns what the client, the upstream and
-/// tollgate's `/status` said, and tollgate's log.
+/// `told` in the group; runs the calls `via` a route or interception; returns what the
+/// client, the upstream and tollgate's `/status` said, and tollgate's log.
 async fn run(
     dialect: &str,
     limits: &[&str],
     told: &str,
+    via: Via,
 ) -> (Calls, Stats, serde_json::Value, String) {
+    let upstream_ca = TestCa::new();
+    let certs = tempfile::tempdir().unwrap();
+    upstream_ca.write_server_pem(certs.path());
+    let (cert, key) = (certs.path().join("cert.pem"), certs.path().join("key.pem"));
+    let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
     let mut args = vec!["-I", "tests/upstreams/llm-upstream.py", dialect];
     args.extend_from_slice(limits);
+    if let Via::Intercept = via {
+        args.extend_from_slice(&["--tls", cert, key]);
+    }
     let upstream = External::start("python3", &args);
-    let config = format!(
-        "[[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n\
-         [[limit]]\nname = \"llm\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"120s\"\n{told}\n{ADMIN_ON_PORT_0}",
-        upstream.url("/"),
-    );
-    let proxy = Tollgate::start(&config).await;
-    let base = match dialect {
-        "openai" => format!("{}/llm/v1", proxy.url()),
-        _ => format!("{}/llm", proxy.url()),
+    let authority = upstream.url("").replace("http://", "");
+    let group = format!("[[limit]]\nname = \"llm\"\nmax_wait = \"120s\"\n{told}\n");
+    let v1 = if dialect == "openai" { "/v1" } else { "" };
+    let intercept = tempfile::tempdir().unwrap();
+    let (config, base, mut env) = match via {
+        Via::Route => (
+            format!(
+                "[[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n{group}hosts = [\"127.0.0.1\"]\n{ADMIN_ON_PORT_0}",
+                upstream.url("/")
+            ),
+            None,
+            vec![],
+        ),
+        Via::Intercept => {
+            tollgate::init_ca(intercept.path()).unwrap();
+            let ca = intercept.path().join("ca.pem").display().to_string();
+            let key = intercept.path().join("ca-key.pem").display().to_string();
+            let config = format!(
+                "[proxy]\nconnect_ports = [\"*\"]\nca_file = {:?}\n\
+                 [intercept]\nca_cert = {ca:?}\nca_key = {key:?}\n\
+                 {group}hosts = [\"{authority}\"]\n{ADMIN_ON_PORT_0}",
+                upstream_ca.ca_pem_path().display().to_string(),
+            );
+            let base = format!("https://{authority}{v1}");
+            (config, Some(base), vec![("SSL_CERT_FILE", ca)])
+        }
     };
-    let mut cmd = clean_command("python3", &[]);
+    let proxy = Tollgate::start(&config).await;
+    let base = base.unwrap_or_else(|| format!("{}/llm{v1}", proxy.url()));
+    if let Via::Intercept = via {
+        env.push(("HTTPS_PROXY", proxy.url()));
+    }
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut cmd = clean_command("python3", &env);
     let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
     cmd.args([
         "-W",
@@ -72,15 +113,19 @@ async fn run(
     let stdout = String::from_utf8_lossy(&out.stdout);
     let calls: Calls = serde_json::from_str(stdout.trim())
         .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)));
-    let stats = reqwest_direct()
-        .get(upstream.url("/stats"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let stats: Stats = serde_json::from_str(&stats).unwrap();
+    let scheme = if let Via::Intercept = via {
+        "https"
+    } else {
+        "http"
+    };
+    let ca = upstream_ca.ca_pem_path().display().to_string();
+    let stats = curl(
+        &["--cacert", &ca, &format!("{scheme}://{authority}/stats")],
+        &[],
+    )
+    .await;
+    let stats: Stats =
+        serde_json::from_str(&stats.text()).unwrap_or_else(|e| panic!("{e}: {}", stats.stderr));
     let (_, status) = proxy.admin("/status").await;
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     let group = status["groups"]
@@ -127,7 +172,7 @@ fn check(calls: &Calls, stats: &Stats, group: &serde_json::Value) {
 async fn openai_sdk_told_nothing_keeps_the_announced_token_budget() {
     // 8 000 tokens when full, 4 000 a second: the forty calls ask for about 40 000.
     let limits = ["--tokens", "8000", "--period", "2"];
-    let (calls, stats, group, log) = run("openai", &limits, "llm = \"openai\"").await;
+    let (calls, stats, group, log) = run("openai", &limits, "llm = \"openai\"", Via::Route).await;
     check(&calls, &stats, &group);
     let buckets = &group["tokens"]["buckets"];
     assert_eq!(buckets[0]["source"], "announced", "{buckets}");
@@ -162,7 +207,7 @@ async fn anthropic_sdk_told_input_and_output_rates_keeps_both() {
         "2",
     ];
     let told = "input_tokens = \"6000/2s\"\noutput_tokens = \"4000/2s\"";
-    let (calls, stats, group, _) = run("anthropic", &limits, told).await;
+    let (calls, stats, group, _) = run("anthropic", &limits, told, Via::Route).await;
     check(&calls, &stats, &group);
     let kinds: Vec<&str> = group["tokens"]["buckets"]
         .as_array()
@@ -172,4 +217,31 @@ async fn anthropic_sdk_told_input_and_output_rates_keeps_both() {
         .map(|b| b["kind"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, ["input", "output"]);
+}
+
+#[tokio::test]
+async fn sdks_through_https_proxy_with_interception_keep_the_token_budget() {
+    let limits = ["--tokens", "8000", "--period", "2"];
+    let told = "tokens = \"8000/2s\"";
+    let (calls, stats, group, log) = run("openai", &limits, told, Via::Intercept).await;
+    check(&calls, &stats, &group);
+    let intercepted = log
+        .lines()
+        .filter(|l| l.contains("url=https://127.0.0.1:") && l.contains("status=200"))
+        .count();
+    assert_eq!(
+        intercepted, CALLS,
+        "each call's line, inside the tunnel: {log}"
+    );
+    let limits = [
+        "--input-tokens",
+        "6000",
+        "--output-tokens",
+        "4000",
+        "--period",
+        "2",
+    ];
+    let told = "llm = \"anthropic\"";
+    let (calls, stats, group, _) = run("anthropic", &limits, told, Via::Intercept).await;
+    check(&calls, &stats, &group);
 }

@@ -3,6 +3,7 @@
 
     llm-upstream.py openai    --tokens N [--period S]
     llm-upstream.py anthropic --input-tokens N --output-tokens M [--period S]
+    ... [--tls CERT KEY]     (HTTPS with this certificate and key, PEM)
 
 Each limit is a token bucket: N tokens when full, refilled continuously, full again
 after `period` seconds (60 for the providers; shorter in tests). A request is
@@ -27,6 +28,7 @@ import datetime
 import json
 import random
 import re
+import ssl
 import sys
 import time
 
@@ -243,6 +245,7 @@ def main():
     parser.add_argument("--input-tokens", type=int, default=0)
     parser.add_argument("--output-tokens", type=int, default=0)
     parser.add_argument("--period", type=float, default=60.0)
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
     args = parser.parse_args()
     server = Server(args)
     app = web.Application()
@@ -253,7 +256,11 @@ def main():
     async def run():
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        tls = None
+        if args.tls:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(*args.tls)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         print(f"listening {port}", flush=True)
