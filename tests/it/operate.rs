@@ -78,6 +78,55 @@ fn group_section<'a>(dom: &'a str, group: &str) -> &'a str {
     &section[..section.find("</section>").unwrap()]
 }
 
+/// A group that counts tokens: the dashboard shows its bucket and the usage its
+/// upstream's answer reported, as `/status` has them.
+#[tokio::test]
+async fn dashboard_shows_the_tokens_of_a_group_that_counts_them() {
+    let answer = r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":34}}"#;
+    let upstream = Upstream::start(move |_| Reply::ok(answer)).await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "llm"
+        hosts = ["127.0.0.1"]
+        tokens = "6000/m"
+        "#,
+    )
+    .await;
+    let client = reqwest_via(&proxy, None);
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50}"#;
+    let sent = client
+        .post(upstream.url("/v1/chat/completions"))
+        .body(body)
+        .send();
+    let answered = sent.await.unwrap();
+    assert_eq!(answered.text().await.unwrap(), answer);
+    let status: serde_json::Value =
+        serde_json::from_str(&admin_get(&proxy, "/status").await).unwrap();
+    let tokens = &status["groups"][0]["tokens"];
+    assert_eq!(
+        (
+            tokens["used_input"].as_u64(),
+            tokens["used_output"].as_u64()
+        ),
+        (Some(12), Some(34))
+    );
+    assert_eq!(tokens["buckets"][0]["capacity"], 6000);
+
+    let url = format!("http://{}/", proxy.admin.unwrap());
+    let dom = headless(&url, &["--dump-dom"]).await;
+    let section = group_section(&dom, "llm");
+    assert!(field(section, "tokens").starts_with("total "), "{section}");
+    assert!(
+        field(section, "tokens").ends_with("/ 6000 at 100/s (configured)"),
+        "{section}"
+    );
+    assert_eq!(
+        field(section, "tokens_used"),
+        "12 in + 34 out; 0 reserved now"
+    );
+}
+
 /// One slow group with one request gone and three waiting: the dashboard, loaded in
 /// Chromium, shows them, and a screenshot is kept as `dashboard.png` in cargo's
 /// directory for test artifacts (`target/tmp/` unless `CARGO_TARGET_DIR` moves it).
