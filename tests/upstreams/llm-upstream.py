@@ -18,6 +18,9 @@ resets as Go durations; Anthropic: `anthropic-ratelimit-{input,output}-tokens-*`
 resets as RFC 3339 times, `retry-after` on a 429), JSON or, with `"stream": true`,
 server-sent events with usage as each provider sends it.
 
+Each event of a stream's text carries `sent_ns`, the upstream's CLOCK_MONOTONIC when
+it was written (scripts/bench-llm measures what passing through tollgate adds).
+
 Prints `listening <port>`, then `<CLOCK_MONOTONIC ns> <status>` per request.
 `GET /stats` answers what it admitted, refused and was told was used.
 """
@@ -205,7 +208,8 @@ class Server:
             for n in parts:
                 await send(None, {"id": "c", "object": "chat.completion.chunk", "created": 0,
                                   "model": "m", "choices": [{"index": 0, "delta": {"content": "word " * n},
-                                                             "finish_reason": None}]})
+                                                             "finish_reason": None}],
+                                  "sent_ns": time.clock_gettime_ns(time.CLOCK_MONOTONIC)})
                 await asyncio.sleep(0.005)
             if (body.get("stream_options") or {}).get("include_usage"):
                 await send(None, {"id": "c", "object": "chat.completion.chunk", "created": 0,
@@ -222,7 +226,8 @@ class Server:
                                                "content_block": {"type": "text", "text": ""}})
             for n in parts:
                 await send("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                   "delta": {"type": "text_delta", "text": "word " * n}})
+                                                   "delta": {"type": "text_delta", "text": "word " * n},
+                                                   "sent_ns": time.clock_gettime_ns(time.CLOCK_MONOTONIC)})
                 await asyncio.sleep(0.005)
             await send("content_block_stop", {"type": "content_block_stop", "index": 0})
             await send("message_delta", {"type": "message_delta",
