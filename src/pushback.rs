@@ -103,12 +103,26 @@ pub struct Answered {
     pub at: Option<SystemTime>,
     /// A number in `[0, 1)`.
     pub jitter: fn() -> f64,
+    /// The tokens the request was estimated at, in a group that counts them.
+    pub tokens: Option<crate::llm::Tokens>,
 }
 
 impl Answered {
     /// An answer that came now.
     pub fn now() -> Answered {
-        Answered { at: None, jitter }
+        Answered {
+            at: None,
+            jitter,
+            tokens: None,
+        }
+    }
+
+    /// An answer that came now to a request estimated at `tokens`.
+    pub fn now_for(tokens: Option<crate::llm::Tokens>) -> Answered {
+        Answered {
+            tokens,
+            ..Answered::now()
+        }
     }
 
     fn wall_clock(&self) -> SystemTime {
@@ -162,7 +176,15 @@ pub fn after_answer(
         Verdict::PushBack(pause) => (pause, true),
         Verdict::Refused(pause) => (pause, false),
     };
-    group.push_back(pause, said, sent);
+    // A refusal on tokens (the headers say fewer remain than the request asked for)
+    // says nothing of the request rate: the group pauses, its pace stays.
+    let on_tokens = answered.tokens.is_some_and(|estimate| {
+        crate::llm::headers::parse(headers, answered.wall_clock()).short_of(estimate)
+    });
+    match on_tokens {
+        true => group.pause_for(pause),
+        false => group.push_back(pause, said, sent),
+    }
     record_pause(group, pause, "upstream pushed back");
     let in_time = arrived
         .checked_add(settings.max_wait)

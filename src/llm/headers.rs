@@ -37,6 +37,15 @@ pub struct TokenLimits {
 }
 
 impl TokenLimits {
+    /// Whether fewer tokens of some kind remain than `estimate` asks for: a refusal
+    /// that announces so was on tokens.
+    pub fn short_of(&self, estimate: crate::llm::Tokens) -> bool {
+        let short = |said: Option<Announced>, n: u64| said.is_some_and(|a| a.remaining < n);
+        short(self.total, estimate.total())
+            || short(self.input, u64::from(estimate.input))
+            || short(self.output, u64::from(estimate.output))
+    }
+
     /// Whether the headers announced nothing.
     pub fn is_empty(&self) -> bool {
         self.total.is_none() && self.input.is_none() && self.output.is_none()
@@ -235,6 +244,26 @@ mod tests {
         // A reset in the past: full now.
         assert_eq!(got.output.unwrap().reset, Duration::ZERO);
         assert_eq!(got.output.unwrap().limit, 10_000);
+    }
+
+    #[test]
+    fn a_refusal_is_on_tokens_when_fewer_remain_than_asked_for() {
+        let h = headers(&[
+            ("anthropic-ratelimit-input-tokens-limit", "1000"),
+            ("anthropic-ratelimit-input-tokens-remaining", "500"),
+            (
+                "anthropic-ratelimit-input-tokens-reset",
+                "2025-01-01T12:00:01Z",
+            ),
+        ]);
+        let said = parse(
+            &h,
+            humantime::parse_rfc3339("2025-01-01T12:00:00Z").unwrap(),
+        );
+        let ask = |input, output| crate::llm::Tokens { input, output };
+        assert!(said.short_of(ask(501, 0)));
+        assert!(!said.short_of(ask(500, 9000)));
+        assert!(!TokenLimits::default().short_of(ask(1 << 20, 1 << 20)));
     }
 
     #[test]

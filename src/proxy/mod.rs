@@ -351,7 +351,7 @@ impl Proxy {
             }
             let replay =
                 request.can_replay() && crate::replay::may_replay(method, response.status());
-            let answered = pushback::Answered::now();
+            let answered = pushback::Answered::now_for(estimate);
             match pushback::after_answer(group, arrived, sent, replay, attempt, response, answered)
             {
                 ControlFlow::Break(response) => {

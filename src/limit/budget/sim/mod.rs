@@ -112,6 +112,7 @@ async fn cell(family: Family, dialect: Dialect, told: Told, r: f64, run: Duratio
                         at: Some(epoch + start.elapsed()),
                         // The middle of the fallback backoff's range, every time.
                         jitter: || 0.5,
+                        tokens: None,
                     };
                     match crate::pushback::after_answer(
                         &group, arrived, sent, true, attempt, response, answered,
