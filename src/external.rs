@@ -1,6 +1,6 @@
 //! The one step after parsing that reads what the configuration names outside its
 //! file — `[proxy] ca_file`, `[access] users`, the `[intercept]` CA, the `[backend]`
-//! Redis URL — without side effects: the files are read, the URL is parsed but not
+//! Redis URLs — without side effects: the files are read, the URL is parsed but not
 //! dialled, and nothing needs a runtime. A problem is reported at the place in
 //! `config.toml` where the setting is written. It runs at start (and for
 //! `check-config`) and before every reload; `config` itself stays plain data.
@@ -33,14 +33,14 @@ pub fn check(config: &Config) -> Result<(), ConfigError> {
             ),
         })?;
     }
-    if let Some(url) = &config.backend.url {
-        use redis::IntoConnectionInfo;
-        url.0.as_str().into_connection_info().map_err(|e| {
-            ConfigError::at(
-                &places.backend_url,
-                "backend.url",
-                format!("invalid Redis URL: {e}"),
-            )
+    if config.backend.redis.is_some() {
+        crate::limit::redis::connect::check(&config.backend).map_err(|e| {
+            let place = match e.setting() {
+                "sentinels" => &places.backend_sentinels,
+                "cluster" => &places.backend_cluster,
+                _ => &places.backend_url,
+            };
+            ConfigError::at(place, &format!("backend.{}", e.setting()), e.to_string())
         })?;
     }
     Ok(())

@@ -1,5 +1,6 @@
 //! Where the settings that name something outside the file are written — `[proxy]
-//! ca_file`, `[access] users`, `[backend] url`, `[intercept] ca_cert` and `ca_key` —
+//! ca_file`, `[access] users`, `[backend] url`, `sentinels` and `cluster`,
+//! `[intercept] ca_cert` and `ca_key` —
 //! so that the step that reads those files (`crate::external`) reports a problem at
 //! its place in `config.toml`.
 
@@ -30,6 +31,10 @@ pub struct Places {
     pub users: Option<Place>,
     /// `[backend] url`.
     pub backend_url: Option<Place>,
+    /// `[backend] sentinels`.
+    pub backend_sentinels: Option<Place>,
+    /// `[backend] cluster`.
+    pub backend_cluster: Option<Place>,
     /// `[intercept] ca_cert`.
     pub ca_cert: Option<Place>,
     /// `[intercept] ca_key`.
@@ -63,6 +68,8 @@ struct AccessSpans {
 #[serde(default)]
 struct BackendSpans {
     url: Option<Spanned<toml::Value>>,
+    sentinels: Option<Spanned<toml::Value>>,
+    cluster: Option<Spanned<toml::Value>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -90,6 +97,8 @@ impl Places {
             ca_file: place(spans.proxy.ca_file.map(|s| s.span())),
             users: place(spans.access.users.map(|s| s.span())),
             backend_url: place(spans.backend.url.map(|s| s.span())),
+            backend_sentinels: place(spans.backend.sentinels.map(|s| s.span())),
+            backend_cluster: place(spans.backend.cluster.map(|s| s.span())),
             ca_cert: place(spans.intercept.ca_cert.map(|s| s.span())),
             ca_key: place(spans.intercept.ca_key.map(|s| s.span())),
         }

@@ -20,24 +20,26 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use toml::Spanned;
 
+mod backend;
 mod external;
 mod source;
 mod tables;
 mod tokens;
 mod values;
 
+pub use backend::{BackendConfig, BackendKind, OnBackendError, RedisAt, RedisUrl};
 pub use external::{Place, Places};
 pub use source::Source;
 pub use tokens::TokenSettings;
 
 pub use tables::{
-    AccessConfig, AdminConfig, BackendConfig, BackendKind, GroupSettings, InterceptConfig,
-    LimitGroup, LogConfig, OnBackendError, ProxyConfig, RouteConfig,
+    AccessConfig, AdminConfig, GroupSettings, InterceptConfig, LimitGroup, LogConfig, ProxyConfig,
+    RouteConfig,
 };
 
 pub use values::{
     AccessRule, ByteSize, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, Rates,
-    RedisUrl, RoutePrefix, StatusCode, UpstreamUrl,
+    RoutePrefix, StatusCode, UpstreamUrl,
 };
 
 /// The whole configuration file.
@@ -155,7 +157,7 @@ struct RawConfig {
     #[serde(default)]
     admin: Option<Spanned<AdminConfig>>,
     #[serde(default)]
-    backend: Option<Spanned<BackendConfig>>,
+    backend: Option<Spanned<backend::RawBackend>>,
     #[serde(default)]
     access: AccessConfig,
     #[serde(default)]
@@ -375,15 +377,13 @@ impl RawConfig {
                 ),
             ));
         }
-        if let Some(backend) = &self.backend {
-            let (span, b) = (backend.span(), backend.get_ref());
-            if b.kind == BackendKind::Redis && b.url.is_none() {
-                return Err((span, "kind = \"redis\" needs a url".into()));
+        let backend = match self.backend {
+            Some(raw) => {
+                let span = raw.span();
+                raw.into_inner().check(span)?
             }
-            if b.replicas == Some(0) {
-                return Err((span, "replicas must be at least 1".into()));
-            }
-        }
+            None => BackendConfig::default(),
+        };
 
         let limits = check_limits(self.limit, &defaults)?;
         check_routes(&self.route, &limits)?;
@@ -402,7 +402,7 @@ impl RawConfig {
             defaults,
             limits,
             admin: self.admin.map(Spanned::into_inner),
-            backend: self.backend.map(Spanned::into_inner).unwrap_or_default(),
+            backend,
             access: self.access,
             places: Places::default(),
             source: None,

@@ -1,6 +1,6 @@
 //! The tables of `config.toml` as the rest of the crate reads them, with their
-//! defaults: `[proxy]`, `[log]`, `[[route]]`, `[access]`, `[intercept]`, `[admin]` and
-//! `[backend]` as written, and `[defaults]` and `[[limit]]` as [`GroupSettings`] and
+//! defaults: `[proxy]`, `[log]`, `[[route]]`, `[access]`, `[intercept]` and `[admin]`
+//! as written (`[backend]` is in `backend.rs`), and `[defaults]` and `[[limit]]` as [`GroupSettings`] and
 //! [`LimitGroup`] once a limit has inherited what it does not set (`mod.rs` does that,
 //! as it needs both tables).
 
@@ -11,8 +11,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::values::{
-    AccessRule, ByteSize, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, RedisUrl,
-    RoutePrefix, UpstreamUrl,
+    AccessRule, ByteSize, ClientRange, ConnectPorts, CostRule, Dur, HostPattern, Rate, RoutePrefix,
+    UpstreamUrl,
 };
 
 /// `[proxy]`: where tollgate listens and how it talks to upstreams.
@@ -228,58 +228,4 @@ pub struct InterceptConfig {
 pub struct AdminConfig {
     /// Address of the admin listener.
     pub listen: SocketAddr,
-}
-
-/// `[backend]`: where limit state lives.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BackendConfig {
-    /// `memory` (this process only) or `redis` (shared by every replica using it).
-    pub kind: BackendKind,
-    /// `redis://[:password@]host:port/db`, `rediss://` for TLS, or
-    /// `unix:///path/to/redis.sock`.
-    pub url: Option<RedisUrl>,
-    /// Prefix of every key tollgate writes.
-    pub key_prefix: String,
-    /// The longest a request waits for Redis before tollgate treats it as down.
-    #[serde(deserialize_with = "super::values::timeout")]
-    pub timeout: Dur,
-    /// What to do while Redis is unreachable.
-    pub on_backend_error: OnBackendError,
-    /// How many replicas share the budget, for the local fallback (rate / replicas);
-    /// by default, the replicas seen alive in Redis recently.
-    pub replicas: Option<u32>,
-}
-
-impl Default for BackendConfig {
-    fn default() -> Self {
-        BackendConfig {
-            kind: BackendKind::Memory,
-            url: None,
-            key_prefix: "tollgate:".into(),
-            timeout: Dur(Duration::from_millis(50)),
-            on_backend_error: OnBackendError::Local,
-            replicas: None,
-        }
-    }
-}
-
-/// Where limit state lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    /// In this process.
-    Memory,
-    /// In Redis, shared by replicas.
-    Redis,
-}
-
-/// What requests get while the shared store is unreachable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnBackendError {
-    /// Keep serving with local limits at rate / replicas.
-    Local,
-    /// Refuse with 503.
-    Deny,
 }

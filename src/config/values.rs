@@ -526,46 +526,9 @@ impl<'de> Deserialize<'de> for UpstreamUrl {
     }
 }
 
-/// A Redis URL, checked for its scheme.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisUrl(pub String);
-
-impl<'de> Deserialize<'de> for RedisUrl {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(d)?;
-        // `unix://` for a Redis on the same machine, listening on a socket file.
-        let schemes = ["redis://", "rediss://", "unix://", "redis+unix://"];
-        if !schemes.iter().any(|s| text.starts_with(s)) {
-            return Err(de::Error::custom(format!(
-                "invalid Redis URL {text:?}: expected redis://[:password@]host:port/db, \
-                 rediss://... or unix:///path/to/redis.sock"
-            )));
-        }
-        Ok(RedisUrl(text))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redis_urls_by_scheme() {
-        let parse = |text: &str| {
-            RedisUrl::deserialize(de::value::StrDeserializer::<de::value::Error>::new(text))
-        };
-        for good in [
-            "redis://r:6379/0",
-            "rediss://:pw@r/1",
-            "unix:///run/redis.sock",
-            "redis+unix:///s",
-        ] {
-            assert_eq!(parse(good).unwrap().0, good);
-        }
-        for bad in ["http://r:6379", "r:6379", "/run/redis.sock", ""] {
-            assert!(parse(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn rate_grammar() {

@@ -18,8 +18,11 @@
 //!
 //! Each script takes one JSON document and answers one ([`protocol`]).
 //!
-//! Keys are `<prefix>{<group>}:...` (the braces keep a group's keys in one Redis Cluster
-//! slot) and expire when idle.
+//! Keys are `<prefix>{<group>}:...` and expire when idle: the braces are a hash tag,
+//! which keeps a group's keys in one Redis Cluster slot, so that every script touches
+//! one slot. The replica set (`<prefix>replicas`) is a key of its own, written alone.
+//! Where Redis is — one node, the master Sentinels name, a Cluster — is [`connect`]'s
+//! business; the calls here are the same for the three.
 //!
 //! Redis down, slow or unreachable: a call that fails or takes longer than `timeout`
 //! marks the store down (logged once, `tollgate_backend_up 0`); while down, requests do
@@ -30,32 +33,29 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::io::tcp::TcpSettings;
-use redis::{IntoConnectionInfo, Script};
 
 use super::budget::Params;
 use super::gcra::Gcra;
 use crate::config::{BackendConfig, OnBackendError};
 use crate::metrics::Metrics;
 
+pub mod connect;
+mod follow;
 mod lease;
+mod maintain;
 pub mod protocol;
+pub use connect::BackendError;
+use connect::{arg, Conn, Lua};
 pub use lease::Lease;
 use protocol::{micros, Publish, Rechecked, Record, Reserve, Reserved};
 
 /// How long a concurrency lease lives without renewal.
 pub const LEASE_TTL: Duration = Duration::from_secs(10);
-/// How often held leases are renewed and this replica says it is alive.
-const HEARTBEAT: Duration = Duration::from_secs(2);
-/// A replica not heard of for this long no longer counts.
-const REPLICA_TTL: Duration = Duration::from_secs(10);
-/// How often a store that is down is probed.
-const PROBE: Duration = Duration::from_millis(500);
 /// How long a group's records (its shared pace, its probe) stay in Redis after its last
 /// booking: the replicas keep theirs in memory meanwhile, and publish again when gone.
 const RECORD_TTL: Duration = Duration::from_secs(600);
@@ -85,10 +85,13 @@ pub const PAUSE: &str = concat!(
 /// limit, lease ms. Returns 1 if taken.
 const LEASE: &str = include_str!("redis/lease.lua");
 
-/// Renews leases and counts live replicas. KEYS: the replica set, then one lease set per
-/// lease. ARGV: this replica's id, the replica ms, the lease ms, then the lease ids.
-/// Returns the number of live replicas.
-const HEARTBEAT_SCRIPT: &str = include_str!("redis/heartbeat.lua");
+/// Says this replica is alive and counts the live ones. KEYS: the replica set. ARGV:
+/// this replica's id, the replica ms. Returns the number of live replicas.
+const REPLICAS: &str = include_str!("redis/replicas.lua");
+
+/// Renews held leases of one group. KEYS: its lease set. ARGV: the lease ms, then the
+/// lease ids.
+const RENEW: &str = include_str!("redis/renew.lua");
 
 /// The keys of [`RESERVE`] before the rates' TATs, in order, each under the group's
 /// prefix (`Redis::key`).
@@ -146,7 +149,7 @@ pub struct Booking {
 
 /// The connection to Redis and what this replica knows about it.
 pub struct Redis {
-    conn: ConnectionManager,
+    conn: Conn,
     prefix: String,
     timeout: Duration,
     /// What requests get while Redis is down.
@@ -156,94 +159,73 @@ pub struct Redis {
     /// Whether the last call succeeded; while false, requests skip Redis.
     up: AtomicBool,
     up_gauge: Gauge,
+    /// Seconds on the local fallback, counted when Redis answers again.
+    fallback: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// When the store went down, while it is.
+    down_since: Mutex<Option<tokio::time::Instant>>,
+    /// The first key of the last call that failed: the probe asks the node that holds
+    /// it (in a cluster, the master of its slot).
+    failed_key: Mutex<String>,
     /// This replica's name in the replica set and in lease ids.
     id: String,
     next_lease: AtomicU64,
     /// Held leases (id → lease set key), renewed by the heartbeat.
     leases: Mutex<HashMap<String, String>>,
-    reserve: Arc<Script>,
-    recheck: Arc<Script>,
-    pause: Arc<Script>,
-    lease: Arc<Script>,
-    heartbeat: Arc<Script>,
+    scripts: Arc<Scripts>,
 }
 
-/// Why `[backend]` cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    /// `kind = "redis"` without a `url`.
-    #[error("the redis backend needs a url")]
-    NoUrl,
-    /// The URL is not one the Redis client takes.
-    #[error("backend.url {shown:?}: {source}")]
-    Url {
-        /// The URL without its password.
-        shown: String,
-        /// What the client said.
-        source: redis::RedisError,
-    },
+/// The scripts, shared with the calls' futures.
+struct Scripts {
+    reserve: Lua,
+    recheck: Lua,
+    pause: Lua,
+    lease: Lua,
+    replicas: Lua,
+    renew: Lua,
 }
 
 impl Redis {
     /// Connects lazily: tollgate starts even while Redis is down.
     pub fn new(config: &BackendConfig, metrics: &Metrics) -> Result<Arc<Redis>, BackendError> {
-        let url = config.url.as_ref().ok_or(BackendError::NoUrl)?;
-        // Errors name the URL without its password: they go to stderr and the logs.
-        let shown = redacted(&url.0);
-        // Nagle's algorithm is on by default in redis-rs; every call here is a small
-        // request waiting on a small answer, which it can only delay (no gain measured
-        // with one call at a time; it matters when calls overlap).
-        let info = url
-            .0
-            .as_str()
-            .into_connection_info()
-            .map_err(|source| BackendError::Url {
-                shown: shown.clone(),
-                source,
-            })?
-            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
-        let client = redis::Client::open(info).map_err(|source| BackendError::Url {
-            shown: shown.clone(),
-            source,
-        })?;
-        let timeout = config.timeout.0;
-        let manager = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager).map_err(|source| {
-            BackendError::Url {
-                shown: shown.clone(),
-                source,
-            }
-        })?;
+        let conn = connect::connect(config)?;
         let up_gauge = Gauge::default();
         up_gauge.set(1);
+        let fallback = Counter::<f64, std::sync::atomic::AtomicU64>::default();
         metrics.register(|registry| {
             registry.register(
                 "tollgate_backend_up",
                 "Whether the shared limit store (Redis) answers (1) or tollgate runs on local limits (0)",
                 up_gauge.clone(),
             );
+            registry.register(
+                "tollgate_backend_fallback_seconds",
+                "Time spent on local limits while the shared limit store (Redis) did not answer, counted when it answers again",
+                fallback.clone(),
+            );
         });
         Ok(Arc::new(Redis {
             conn,
             prefix: config.key_prefix.clone(),
-            timeout,
+            timeout: config.timeout.0,
             on_error: config.on_backend_error,
             replicas_configured: config.replicas,
             replicas_seen: AtomicU32::new(1),
             up: AtomicBool::new(true),
             up_gauge,
+            fallback,
+            down_since: Mutex::new(None),
+            failed_key: Mutex::new(format!("{}replicas", config.key_prefix)),
             id: replica_id(),
             next_lease: AtomicU64::new(0),
             leases: Mutex::new(HashMap::new()),
-            reserve: Arc::new(Script::new(RESERVE)),
-            recheck: Arc::new(Script::new(RECHECK)),
-            pause: Arc::new(Script::new(PAUSE)),
-            lease: Arc::new(Script::new(LEASE)),
-            heartbeat: Arc::new(Script::new(HEARTBEAT_SCRIPT)),
+            scripts: Arc::new(Scripts {
+                reserve: Lua::new(RESERVE),
+                recheck: Lua::new(RECHECK),
+                pause: Lua::new(PAUSE),
+                lease: Lua::new(LEASE),
+                replicas: Lua::new(REPLICAS),
+                renew: Lua::new(RENEW),
+            }),
         }))
     }
 
@@ -273,7 +255,6 @@ impl Redis {
         if !self.is_up() {
             return None;
         }
-        let (script, mut conn) = (self.reserve.clone(), self.conn.clone());
         let keys: Vec<String> = RESERVE_KEYS
             .iter()
             .map(|k| self.key(group, k))
@@ -297,13 +278,7 @@ impl Redis {
         };
         let request = serde_json::to_string(&request).ok()?;
         let answer: String = self
-            .call(async move {
-                let mut call = script.prepare_invoke();
-                for key in keys {
-                    call.key(key);
-                }
-                call.arg(request).invoke_async(&mut conn).await
-            })
+            .run(&self.scripts.reserve, &keys, &[arg(request)])
             .await?;
         let answer: Reserved = match serde_json::from_str(&answer) {
             Ok(answer) => answer,
@@ -335,15 +310,8 @@ impl Redis {
         if !self.is_up() {
             return None;
         }
-        let (script, mut conn) = (self.recheck.clone(), self.conn.clone());
         let keys = [self.key(group, "pause"), self.key(group, "refused")];
-        let answer: String = self
-            .call(async move {
-                let mut call = script.prepare_invoke();
-                call.key(&keys[0]).key(&keys[1]).arg(at);
-                call.invoke_async(&mut conn).await
-            })
-            .await?;
+        let answer: String = self.run(&self.scripts.recheck, &keys, &[arg(at)]).await?;
         let answer: Rechecked = serde_json::from_str(&answer).ok()?;
         let paused = (answer.paused > 0.0).then(|| micros(answer.paused));
         Some((paused, answer.refused > 0))
@@ -362,7 +330,6 @@ impl Redis {
         if !self.is_up() {
             return;
         }
-        let (script, mut conn) = (self.pause.clone(), self.conn.clone());
         let keys = PAUSE_KEYS.map(|k| self.key(group, k));
         let refusal = refusal.then(|| {
             let n = self.next_lease.fetch_add(1, Ordering::Relaxed);
@@ -379,100 +346,62 @@ impl Redis {
         let Ok(request) = serde_json::to_string(&request) else {
             return;
         };
-        let _: Option<String> = self
-            .call(async move {
-                let mut call = script.prepare_invoke();
-                for key in keys {
-                    call.key(key);
-                }
-                call.arg(request).invoke_async(&mut conn).await
-            })
-            .await;
+        let _: Option<String> = self.run(&self.scripts.pause, &keys, &[arg(request)]).await;
     }
 
-    /// Runs the heartbeat (replica count, lease renewal) and, while Redis is down, the
-    /// probe that brings it back. Ends when the store is dropped.
-    pub fn spawn_maintenance(self: &Arc<Self>) {
-        let weak: Weak<Redis> = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut last_beat = tokio::time::Instant::now() - HEARTBEAT;
-            loop {
-                let Some(redis) = weak.upgrade() else { return };
-                if !redis.is_up() {
-                    redis.probe().await;
-                } else if last_beat.elapsed() >= HEARTBEAT {
-                    redis.beat().await;
-                    last_beat = tokio::time::Instant::now();
-                }
-                drop(redis);
-                tokio::time::sleep(PROBE).await;
-            }
-        });
-    }
-
-    async fn probe(&self) {
+    /// Runs `lua` with `keys` (of one slot) and `args` within `timeout`; a failure marks
+    /// the store down.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        lua: &Lua,
+        keys: &[String],
+        args: &[Vec<u8>],
+    ) -> Option<T> {
         let mut conn = self.conn.clone();
-        let ping = redis::cmd("PING");
-        let answer = tokio::time::timeout(self.timeout, ping.query_async::<String>(&mut conn));
-        if let Ok(Ok(_)) = answer.await {
-            self.succeeded();
-        }
+        self.call(&keys[0], lua.run(&mut conn, keys, args)).await
     }
 
-    async fn beat(&self) {
-        let leases: Vec<(String, String)> = self
-            .leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(id, set)| (id.clone(), set.clone()))
-            .collect();
-        let (script, mut conn) = (self.heartbeat.clone(), self.conn.clone());
-        let (replicas, me) = (format!("{}replicas", self.prefix), self.id.clone());
-        let beat = self.call(async move {
-            let mut call = script.prepare_invoke();
-            call.key(replicas)
-                .arg(me)
-                .arg(REPLICA_TTL.as_millis() as u64)
-                .arg(LEASE_TTL.as_millis() as u64);
-            for (id, set) in leases {
-                call.key(set).arg(id);
-            }
-            call.invoke_async::<u32>(&mut conn).await
-        });
-        if let Some(alive) = beat.await {
-            self.replicas_seen.store(alive.max(1), Ordering::Relaxed);
-        }
-    }
-
-    /// Runs one Redis call within `timeout`; a failure marks the store down.
-    async fn call<T>(&self, call: impl Future<Output = redis::RedisResult<T>>) -> Option<T> {
-        match tokio::time::timeout(self.timeout, call).await {
+    /// Runs one Redis call on `key` within `timeout`; a failure marks the store down.
+    async fn call<T>(
+        &self,
+        key: &str,
+        call: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        let error = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(value)) => {
                 self.succeeded();
-                Some(value)
+                return Some(value);
             }
-            Ok(Err(e)) => {
-                self.failed(&e.to_string());
-                None
-            }
-            Err(_) => {
-                self.failed(&format!("no answer within {:?}", self.timeout));
-                None
-            }
-        }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.timeout),
+        };
+        key.clone_into(&mut self.failed_key.lock().unwrap_or_else(|p| p.into_inner()));
+        self.failed(&error);
+        None
     }
 
     fn succeeded(&self) {
         if !self.up.swap(true, Ordering::Relaxed) {
             self.up_gauge.set(1);
-            tracing::info!("Redis answers again: shared limits resume");
+            let since = self
+                .down_since
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            let down = since.map_or(Duration::ZERO, |t| t.elapsed());
+            self.fallback.inc_by(down.as_secs_f64());
+            tracing::info!(
+                after = ?down,
+                "Redis answers again: shared limits resume"
+            );
         }
     }
 
     fn failed(&self, error: &str) {
         if self.up.swap(false, Ordering::Relaxed) {
             self.up_gauge.set(0);
+            *self.down_since.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(tokio::time::Instant::now());
             match self.on_error {
                 OnBackendError::Local => tracing::warn!(
                     error,
@@ -492,20 +421,6 @@ impl Redis {
     }
 }
 
-/// `url` with any password in its userinfo replaced by `***`.
-fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    match rest.split_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
-            None => format!("{scheme}://***@{host}"),
-        },
-        None => url.to_string(),
-    }
-}
-
 /// A name for this replica that is unique across machines and restarts.
 fn replica_id() -> String {
     use std::hash::{BuildHasher, Hasher};
@@ -514,22 +429,4 @@ fn replica_id() -> String {
         .build_hasher()
         .finish();
     format!("{}-{}-{random:x}", host.trim(), std::process::id())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_url_is_shown_without_its_password() {
-        let cases = [
-            ("redis://:secret@redis:6379/0", "redis://:***@redis:6379/0"),
-            ("rediss://app:secret@redis/1", "rediss://app:***@redis/1"),
-            ("redis://token@redis", "redis://***@redis"),
-            ("redis://redis:6379", "redis://redis:6379"),
-        ];
-        for (url, shown) in cases {
-            assert_eq!(redacted(url), shown);
-        }
-    }
 }

@@ -45,7 +45,7 @@ impl Proxy {
             BackendKind::Redis => {
                 Some(
                     Redis::new(&config.backend, &metrics).map_err(|e| ConfigError::Other {
-                        file: "backend.url".into(),
+                        file: format!("backend.{}", e.setting()),
                         message: e.to_string(),
                     })?,
                 )

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::connect::arg;
 use super::{Redis, LEASE_TTL};
 
 impl Redis {
@@ -19,17 +20,13 @@ impl Redis {
             self.next_lease.fetch_add(1, Ordering::Relaxed)
         );
         let set = self.key(group, "leases");
-        let (script, mut conn) = (self.lease.clone(), self.conn.clone());
-        let (key, member) = (set.clone(), id.clone());
+        let args = [
+            arg(id.as_str()),
+            arg(limit),
+            arg(LEASE_TTL.as_millis() as u64),
+        ];
         let taken: i64 = self
-            .call(async move {
-                let mut call = script.prepare_invoke();
-                call.key(key)
-                    .arg(member)
-                    .arg(limit)
-                    .arg(LEASE_TTL.as_millis() as u64);
-                call.invoke_async(&mut conn).await
-            })
+            .run(&self.scripts.lease, std::slice::from_ref(&set), &args)
             .await?;
         if taken != 1 {
             return Some(None);
