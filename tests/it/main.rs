@@ -24,6 +24,7 @@ mod promise_operations;
 mod promise_waits;
 mod pushback;
 mod real_limiters;
+mod redis_ha;
 mod reload;
 mod routes;
 mod shared;

@@ -13,6 +13,7 @@ mod clients;
 mod external;
 mod misbehave;
 mod proxy;
+mod redis_ha;
 mod redis_server;
 mod sockets;
 mod tls;
@@ -22,8 +23,8 @@ mod waits;
 // Each test file uses a different part.
 #[allow(unused_imports)]
 pub use {
-    binary::*, bodies::*, clients::*, external::*, misbehave::*, proxy::*, redis_server::*,
-    sockets::*, tls::*, upstream::*, waits::*,
+    binary::*, bodies::*, clients::*, external::*, misbehave::*, proxy::*, redis_ha::*,
+    redis_server::*, sockets::*, tls::*, upstream::*, waits::*,
 };
 
 /// 127.0.0.1, where everything listens unless a test asks for another loopback address.
