@@ -90,6 +90,10 @@ pub(super) struct State {
     /// The version of the shared controller this replica's pace is based on (the
     /// Redis clock at its last change; empty: none).
     pub(super) version: String,
+    /// A request left on the local rates while the shared store was down, and none has
+    /// been booked in it since: the next booking is no earlier than the local rates
+    /// allow ([`super::redis::Booking::floor`]).
+    pub(super) fell_back: bool,
 }
 
 impl Group {
@@ -123,6 +127,7 @@ impl Group {
                 tokens: token_budget(&settings, &store, now),
                 publish: false,
                 version: String::new(),
+                fell_back: false,
             }),
             store,
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -402,8 +407,11 @@ impl Group {
             tokens.take(estimate, now);
         }
         if booked {
+            let share = 1.0 / f64::from(self.store.replicas());
+            state.rates.booked(share, now, cost.requests);
             return;
         }
+        state.fell_back = !matches!(self.store, Store::Memory);
         let mut after = state
             .rates
             .depart(self.store.local_share(), ready, now, cost.requests);

@@ -140,6 +140,19 @@ impl Rates {
         self.epoch + slot
     }
 
+    /// Records a departure at `now` that the shared store booked, as the rates at this
+    /// replica's `share` count it should the store stop answering: a TAT at least one
+    /// interval of the share after it. Without it, a replica that fell back found its
+    /// local rates idle and sent at once, next to the slots booked just before; and the
+    /// TAT never runs further ahead than its own departures at the share took it.
+    pub fn booked(&mut self, share: f64, now: Instant, cost: u32) {
+        let since = self.since_epoch(now);
+        let rates = enforced(&self.in_force, share);
+        for (rate, tat) in rates.iter().zip(&mut self.tats) {
+            *tat = (*tat).max(rate.advance(since, since, cost));
+        }
+    }
+
     /// The slot of a request of `cost` that was ready at `ready` and leaves right behind
     /// a departure counted at `after`, if that slot has come by `now`; recorded when it
     /// has. How the head of a queue releases the requests behind it that are due too.

@@ -145,6 +145,10 @@ pub struct Booking {
     pub probing: bool,
     /// Whether this replica learned anything of the upstream.
     pub learned: bool,
+    /// How long from now the slot may be at the earliest: the local rates' wait, on
+    /// the first booking after this replica sent on them while the store was down.
+    /// Redis's record of the rates does not know those departures.
+    pub floor: Duration,
 }
 
 /// The connection to Redis and what this replica knows about it.
@@ -275,6 +279,7 @@ impl Redis {
             probe_ms: Params::DEFAULT.probe_for.as_millis() as u64,
             ttl_ms: RECORD_TTL.as_millis() as u64,
             publish: booking.publish,
+            floor: us(booking.floor),
         };
         let request = serde_json::to_string(&request).ok()?;
         let answer: String = self

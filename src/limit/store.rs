@@ -109,7 +109,15 @@ impl Store {
                     .iter()
                     .map(|r| r.scaled(shared_factor(r.interval)))
                     .collect();
-                (rates, state.booking(now))
+                let mut booking = state.booking(now);
+                if state.fell_back {
+                    let share = 1.0 / f64::from(redis.replicas());
+                    booking.floor = state
+                        .rates
+                        .earliest(share, now)
+                        .saturating_duration_since(now);
+                }
+                (rates, booking)
             };
             // Boxed: the round trip's state is large, and inline it would size every
             // waiting request's future, with the memory store too.
@@ -120,6 +128,7 @@ impl Store {
             let answered = Instant::now();
             group.shared_budget(booked.as_ref(), published);
             if let Some(booking) = booked {
+                group.lock().fell_back = false;
                 if let Some(pause) = booking.paused_for {
                     // Another replica's push-back: requests already waiting here
                     // honour it too, and this one books after it.
@@ -197,6 +206,7 @@ impl State {
             publish: self.publication(),
             probing: self.budget.probing(now),
             learned: self.budget.pace().is_some() || self.budget.window_budget().is_some(),
+            floor: Duration::ZERO,
         }
     }
 

@@ -167,16 +167,23 @@ async fn failover_mid_run(
 
 /// No client call failed, the upstream saw every call once, and the replicas fell
 /// back for a while (the failover was seen) and came back on their own. During the
-/// fallback each replica takes its share (rate / 2), so the second busiest is bounded
-/// as loosely as a change of store allows: a replica's first local slot does not know
-/// of the shared bookings just before it.
+/// fallback each replica takes its share (rate / 2) from its own last booked
+/// departure, and back on the shared budget it books no earlier than its local rates
+/// allow: the busiest second holds one more than the rate's for the change of store
+/// besides the one for a late delivery, and a strict limiter at the rate would have
+/// refused at most 2 % of the run.
 async fn assert_survived(run: &Failover, replicas: &[Tollgate; 2]) {
     assert!(run.statuses.iter().all(|s| *s == 200), "{:?}", run.statuses);
     assert_eq!(run.arrivals.len(), 100);
     let busiest = max_in_window(&run.arrivals, Duration::from_secs(1));
     assert!(
-        busiest <= RATE + 3,
+        busiest <= RATE + 2,
         "{busiest} requests reached the upstream within 1 s at a shared {RATE}/s"
+    );
+    let over = over_limit(&run.arrivals);
+    assert!(
+        over <= 2,
+        "a strict {RATE}/s limiter would have refused {over} of 100"
     );
     let mut fell_back = 0.0;
     for tollgate in replicas {
@@ -191,8 +198,7 @@ async fn assert_survived(run: &Failover, replicas: &[Tollgate; 2]) {
     eprintln!(
         "failover: busiest second {busiest}, over a strict {RATE}/s limiter {}, \
          fallback {fell_back:.2} s over both replicas, back {:?} after the promotion",
-        over_limit(&run.arrivals),
-        run.back_after
+        over, run.back_after
     );
 }
 

@@ -76,6 +76,8 @@ pub struct Reserve<'a> {
     /// A change of the shared controller to publish first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub publish: Option<Publish>,
+    /// µs from now before which the slot may not be (0: none).
+    pub floor: u64,
 }
 
 /// `reserve.lua`'s answer.
@@ -169,6 +171,7 @@ mod tests {
             probe_ms: 1000,
             ttl_ms: 600_000,
             publish: None,
+            floor: 0,
         };
         let json = serde_json::to_string(&reserve).unwrap();
         assert!(

@@ -36,8 +36,9 @@ if not req.learned and not answer.shared then
     answer.probe = 'group'
   end
 end
--- Earliest: every rate's TAT less its tolerance, the pace's TAT, and the window.
-local depart = now
+-- Earliest: every rate's TAT less its tolerance, the pace's TAT, the window, and the
+-- floor of a replica back from its local rates (what it sent meanwhile is not here).
+local depart = now + (req.floor or 0)
 local tats = {}
 for i, rate in ipairs(req.rates) do
   tats[i] = tonumber(redis.call('GET', KEYS[5 + i]) or 0)
