@@ -1,7 +1,8 @@
 //! Two tollgate replicas (the binary) sharing a budget through Redis deployments that
 //! survive a node: a Redis Cluster of 3 masters and 3 replicas, and a master with a
 //! replica watched by 3 sentinels, all real processes on loopback
-//! (`support/redis_ha.rs`). What is asserted is what the upstream received: how
+//! (`support/redis_ha.rs`), with passwords (in the nodes' URLs, and the sentinels'
+//! own). What is asserted is what the upstream received: how
 //! many requests, and how many in any second; and that no client call failed while
 //! the master holding the budget was killed and its replica promoted.
 
@@ -116,7 +117,7 @@ async fn two_replicas_share_a_budget_through_sentinel() {
     let _alone = ALONE.lock().await;
     let set = RedisSentinels::start().await;
     let backend = format!(
-        "sentinels = {}\nmaster_name = {MASTER_NAME:?}",
+        "sentinels = {}\nmaster_name = {MASTER_NAME:?}\nsentinel_password = {SENTINEL_PASSWORD:?}",
         list(&set.sentinels())
     );
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
@@ -244,7 +245,7 @@ async fn a_sentinel_master_killed_mid_run_fails_no_call() {
     let _alone = ALONE.lock().await;
     let mut set = RedisSentinels::start().await;
     let backend = format!(
-        "sentinels = {}\nmaster_name = {MASTER_NAME:?}",
+        "sentinels = {}\nmaster_name = {MASTER_NAME:?}\nsentinel_password = {SENTINEL_PASSWORD:?}",
         list(&set.sentinels())
     );
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;

@@ -521,3 +521,54 @@ async fn one_replica_probes_for_the_group_and_the_others_wait_for_it() {
     }
     assert!(get(&mut conn, "HGET", &[&key("probe"), "until"]).await <= redis_now(&mut conn).await);
 }
+
+/// A node that lost the scripts (restarted, promoted, or new to a slot) answers
+/// `EVALSHA` with `NOSCRIPT`: the store sends the script whole (`EVAL`) and goes on,
+/// without a moment on local limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_lost_the_scripts_is_sent_them_whole() {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let settings = r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        rate = "100/s"
+    "#;
+    let proxy = start_proxy_with_admin(&config(&redis, settings)).await;
+    let client = reqwest_via(&proxy, None);
+    let mut conn = redis.conn().await;
+    for round in 0..3 {
+        let flushed: String = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(flushed, "OK");
+        let resp = client
+            .get(upstream.url(&format!("/{round}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(upstream.paths(), ["/0", "/1", "/2"]);
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert_eq!(metric_value(&metrics, "tollgate_backend_up"), Some(1.0));
+    assert_eq!(
+        metric_value(&metrics, "tollgate_backend_fallback_seconds_total"),
+        Some(0.0),
+        "{metrics}"
+    );
+    // Each round's booking was sent whole once, after its NOSCRIPT.
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let evals = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_eval:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse::<u32>().ok());
+    assert!(evals.is_some_and(|n| n >= 3), "{stats}");
+}

@@ -11,6 +11,12 @@ use super::*;
 
 /// The name the sentinels know the master by.
 pub const MASTER_NAME: &str = "main";
+/// Every data node's password (`requirepass`, and `masterauth` for its replication),
+/// so that the tests pass it the way users do: in the nodes' URLs.
+pub const PASSWORD: &str = "node-secret";
+/// The sentinels' own password (`requirepass` in sentinel.conf), apart from the
+/// nodes': `[backend] sentinel_password`.
+pub const SENTINEL_PASSWORD: &str = "sentinel-secret";
 
 /// A port the kernel chose free a moment ago. Redis Cluster and Sentinel announce the
 /// port they listen on to each other, so it cannot be 0.
@@ -56,12 +62,25 @@ impl Drop for RedisProcess {
     }
 }
 
-/// Sends `args` to the node on `port`, on a connection of its own, within a few
+/// Sends `args` to the data node on `port`, on a connection of its own, within a few
 /// seconds.
 pub async fn ask<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
+    ask_with(PASSWORD, port, args).await
+}
+
+/// Sends `args` to the sentinel on `port`.
+async fn ask_sentinel<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
+    ask_with(SENTINEL_PASSWORD, port, args).await
+}
+
+async fn ask_with<T: redis::FromRedisValue>(
+    password: &str,
+    port: u16,
+    args: &[&str],
+) -> redis::RedisResult<T> {
     let timeout = || std::io::Error::from(std::io::ErrorKind::TimedOut).into();
     let call = async {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+        let client = redis::Client::open(format!("redis://:{password}@127.0.0.1:{port}"))?;
         let mut conn = client.get_multiplexed_async_connection().await?;
         redis::cmd(args[0])
             .arg(&args[1..])
@@ -73,7 +92,8 @@ pub async fn ask<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::R
         .unwrap_or_else(|_| Err(timeout()))
 }
 
-/// The common settings of a test's redis-server: no persistence, loopback only.
+/// The common settings of a test's redis-server: no persistence, loopback only, a
+/// password.
 fn server_args(port: u16, dir: &std::path::Path) -> Vec<String> {
     let dir = dir.join(port.to_string());
     std::fs::create_dir_all(&dir).expect("node directory");
@@ -88,15 +108,20 @@ fn server_args(port: u16, dir: &std::path::Path) -> Vec<String> {
         "no",
         "--dir",
         dir.to_str().unwrap(),
+        "--requirepass",
+        PASSWORD,
+        "--masterauth",
+        PASSWORD,
     ]
     .map(String::from)
     .to_vec()
 }
 
-/// Waits until every node on `ports` answers PING.
-async fn wait_answering(ports: &[u16]) {
+/// Waits until every node on `ports` answers PING (with `password`).
+async fn wait_answering(password: &str, ports: &[u16]) {
     for &port in ports {
-        let up = within_bound(async || ask::<String>(port, &["PING"]).await.ok()).await;
+        let up =
+            within_bound(async || ask_with::<String>(password, port, &["PING"]).await.ok()).await;
         assert!(up.is_some(), "redis on {port} never answered");
     }
 }
@@ -136,10 +161,10 @@ impl RedisCluster {
             })
             .collect();
         let cluster = RedisCluster { nodes, _dir: dir };
-        wait_answering(&cluster.ports()).await;
-        let mut create = clean_command("redis-cli", &[]);
+        wait_answering(PASSWORD, &cluster.ports()).await;
+        let mut create = clean_command("redis-cli", &[("REDISCLI_AUTH", PASSWORD)]);
         create.arg("--cluster").arg("create");
-        create.args(cluster.seeds());
+        create.args(cluster.ports().iter().map(|p| format!("127.0.0.1:{p}")));
         create.args(["--cluster-replicas", "1", "--cluster-yes"]);
         let out = tokio::time::timeout(BOUND, create.output())
             .await
@@ -159,11 +184,11 @@ impl RedisCluster {
         self.nodes.iter().map(|n| n.port).collect()
     }
 
-    /// `host:port` of every node, as `[backend] cluster` takes them.
+    /// Every node as `[backend] cluster` takes it: a URL, with the password.
     pub fn seeds(&self) -> Vec<String> {
         self.ports()
             .iter()
-            .map(|p| format!("127.0.0.1:{p}"))
+            .map(|p| format!("redis://:{PASSWORD}@127.0.0.1:{p}"))
             .collect()
     }
 
@@ -261,7 +286,7 @@ impl RedisSentinels {
         let mut args = server_args(r, dir.path());
         args.extend(["--replicaof", "127.0.0.1", &m.to_string()].map(String::from));
         let replica = RedisProcess::spawn("redis-server", &args, r);
-        wait_answering(&[m, r]).await;
+        wait_answering(PASSWORD, &[m, r]).await;
         let sentinels = (0..3)
             .map(|i| {
                 let port = free_port();
@@ -270,7 +295,9 @@ impl RedisSentinels {
                     &format!("sentinel-{i}.conf"),
                     &format!(
                         "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                         requirepass {SENTINEL_PASSWORD}\n\
                          sentinel monitor {MASTER_NAME} 127.0.0.1 {m} 2\n\
+                         sentinel auth-pass {MASTER_NAME} {PASSWORD}\n\
                          sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
                          sentinel failover-timeout {MASTER_NAME} 10000\n",
                         dir = dir.path().display()
@@ -286,7 +313,8 @@ impl RedisSentinels {
             sentinels,
             _dir: dir,
         };
-        wait_answering(&set.sentinels.iter().map(|s| s.port).collect::<Vec<_>>()).await;
+        let ports: Vec<u16> = set.sentinels.iter().map(|s| s.port).collect();
+        wait_answering(SENTINEL_PASSWORD, &ports).await;
         let ready = within_bound(async || set.ready().await.then_some(())).await;
         assert!(
             ready.is_some(),
@@ -302,8 +330,10 @@ impl RedisSentinels {
         }
         for sentinel in &self.sentinels {
             let port = sentinel.port;
-            let replicas = ask::<Vec<redis::Value>>(port, &["SENTINEL", "REPLICAS", MASTER_NAME]);
-            let others = ask::<Vec<redis::Value>>(port, &["SENTINEL", "SENTINELS", MASTER_NAME]);
+            let replicas =
+                ask_sentinel::<Vec<redis::Value>>(port, &["SENTINEL", "REPLICAS", MASTER_NAME]);
+            let others =
+                ask_sentinel::<Vec<redis::Value>>(port, &["SENTINEL", "SENTINELS", MASTER_NAME]);
             match (replicas.await, others.await) {
                 (Ok(r), Ok(o)) if r.len() == 1 && o.len() == 2 => {}
                 _ => return false,
@@ -312,10 +342,11 @@ impl RedisSentinels {
         true
     }
 
-    /// `host:port` of every sentinel, as `[backend] sentinels` takes them.
+    /// Every sentinel as `[backend] sentinels` takes it: a URL whose password is the
+    /// master's (the sentinels' own is `sentinel_password`, [`SENTINEL_PASSWORD`]).
     pub fn sentinels(&self) -> Vec<String> {
         (self.sentinels.iter())
-            .map(|s| format!("127.0.0.1:{}", s.port))
+            .map(|s| format!("redis://:{PASSWORD}@127.0.0.1:{}", s.port))
             .collect()
     }
 
@@ -336,7 +367,7 @@ impl RedisSentinels {
             let mut named = Vec::new();
             for sentinel in &self.sentinels {
                 let args = ["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER_NAME];
-                let addr: Vec<String> = ask(sentinel.port, &args).await.ok()?;
+                let addr: Vec<String> = ask_sentinel(sentinel.port, &args).await.ok()?;
                 named.push(addr.get(1)?.parse::<u16>().ok()?);
             }
             let new = named[0];
