@@ -22,6 +22,7 @@ use tokio::time::Instant;
 
 mod answers;
 mod status;
+mod tokens;
 
 use super::budget::{Budget, Params};
 use super::pause::Pause;
@@ -237,12 +238,12 @@ impl Group {
             && state.budget.probe_holds(now).is_none()
             && state.budget.opens(now, false).is_none()
             && state.rates.earliest(1.0, now) <= now
-            && state.tokens_hold(cost.tokens, now).is_none();
+            && state.tokens_hold(cost.tokens, now, false).is_none();
         if !open {
             return None;
         }
         let held = self.permits.try_now()?;
-        self.depart(&mut state, false, now, cost);
+        self.depart(&mut state, (false, false), now, cost);
         drop(state);
         Some(Permit::new(held, self.clone()))
     }
@@ -275,6 +276,8 @@ impl Group {
         let mut ready = place.joined;
         let mut booked = false;
         let mut permit: Option<Held> = None;
+        // Its tokens, taken in the shared store (docs/tokens.md).
+        let mut tokens_taken = false;
         loop {
             // Listening before the state is read: a reload or an answer after it wakes
             // the wait.
@@ -296,13 +299,10 @@ impl Group {
                 ready = ready.max(until);
                 continue;
             }
-            let tokens = self.lock().tokens_hold(place.tokens, now);
-            if let Some(until) = tokens {
-                if place.deadline.is_some_and(|deadline| until > deadline) {
-                    return Err(Refusal::WaitTooLong { ahead: until - now });
-                }
-                // Or sooner, when an answer gives tokens back.
-                let _woken = tokio::time::timeout_at(until, wake).await;
+            if self
+                .wait_for_tokens(place, wake.as_mut(), &mut tokens_taken)
+                .await?
+            {
                 continue;
             }
             if let Some(until) = probed {
@@ -347,7 +347,7 @@ impl Group {
                 requests: place.cost,
                 tokens: place.tokens,
             };
-            self.depart(&mut state, booked, ready, cost);
+            self.depart(&mut state, (booked, tokens_taken), ready, cost);
             return Ok(Some(Permit::new(held, self.clone())));
         }
     }
@@ -399,12 +399,19 @@ impl Group {
     }
 
     /// The head departs: counted in the budget and the local rates (unless the shared
-    /// store booked it), and the requests behind it whose slots have come leave with it.
-    fn depart(&self, state: &mut State, booked: bool, ready: Instant, cost: Cost) {
+    /// store booked it: `booked`, and its tokens: `tokens_taken`), and the requests
+    /// behind it whose slots have come leave with it.
+    fn depart(
+        &self,
+        state: &mut State,
+        (booked, tokens_taken): (bool, bool),
+        ready: Instant,
+        cost: Cost,
+    ) {
         let now = Instant::now();
         state.budget.departed(now);
         if let (Some(tokens), Some(estimate)) = (&mut state.tokens, cost.tokens) {
-            tokens.take(estimate, now);
+            tokens.take(estimate, now, tokens_taken);
         }
         if booked {
             let share = 1.0 / f64::from(self.store.replicas());

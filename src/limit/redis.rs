@@ -49,6 +49,7 @@ mod follow;
 mod lease;
 mod maintain;
 pub mod protocol;
+mod tokens;
 pub use connect::BackendError;
 use connect::{arg, Conn, Lua};
 pub use lease::Lease;
@@ -92,6 +93,8 @@ const REPLICAS: &str = include_str!("redis/replicas.lua");
 /// Renews held leases of one group. KEYS: its lease set. ARGV: the lease ms, then the
 /// lease ids.
 const RENEW: &str = include_str!("redis/renew.lua");
+/// A group's configured token buckets: take an estimate, or settle a usage.
+const TOKENS: &str = include_str!("redis/tokens.lua");
 
 /// The keys of [`RESERVE`] before the rates' TATs, in order, each under the group's
 /// prefix (`Redis::key`).
@@ -186,6 +189,7 @@ struct Scripts {
     lease: Lua,
     replicas: Lua,
     renew: Lua,
+    tokens: Lua,
 }
 
 impl Redis {
@@ -229,6 +233,7 @@ impl Redis {
                 lease: Lua::new(LEASE),
                 replicas: Lua::new(REPLICAS),
                 renew: Lua::new(RENEW),
+                tokens: Lua::new(TOKENS),
             }),
         }))
     }

@@ -39,7 +39,7 @@ impl Kind {
     const ALL: [Kind; 3] = [Kind::Total, Kind::Input, Kind::Output];
 
     /// The tokens of this kind in `t`.
-    fn of(self, t: Tokens) -> u64 {
+    pub fn of(self, t: Tokens) -> u64 {
         match self {
             Kind::Total => t.total(),
             Kind::Input => u64::from(t.input),
@@ -214,38 +214,56 @@ impl TokenBudget {
             .chain(self.announced.iter().flatten())
     }
 
-    /// When a request estimated at `estimate` may leave, asked at `now`.
-    pub fn earliest(&self, estimate: Tokens, now: Instant) -> Instant {
-        self.buckets()
+    /// The buckets this process keeps: the announced ones, and the configured ones
+    /// unless the shared store keeps those (`shared`).
+    fn kept(&mut self, shared: bool) -> impl Iterator<Item = &mut Bucket> {
+        let configured: &mut [Bucket] = if shared {
+            &mut []
+        } else {
+            &mut self.configured
+        };
+        configured
+            .iter_mut()
+            .chain(self.announced.iter_mut().flatten())
+    }
+
+    /// When a request estimated at `estimate` may leave, asked at `now`, by the buckets
+    /// this process keeps (`shared`: the configured ones are the shared store's).
+    pub fn earliest(&self, estimate: Tokens, now: Instant, shared: bool) -> Instant {
+        let configured = self.configured.iter().filter(|_| !shared);
+        configured
+            .chain(self.announced.iter().flatten())
             .map(|b| b.earliest(b.kind.of(estimate), now))
             .fold(now, Instant::max)
     }
 
     /// A request estimated at `estimate` leaves at `at`.
-    pub fn take(&mut self, estimate: Tokens, at: Instant) {
+    pub fn take(&mut self, estimate: Tokens, at: Instant, shared: bool) {
         self.reserved += estimate.total();
-        let all = self
-            .configured
-            .iter_mut()
-            .chain(self.announced.iter_mut().flatten());
-        for bucket in all {
+        for bucket in self.kept(shared) {
             bucket.take(bucket.kind.of(estimate), at);
         }
     }
 
+    /// The configured buckets as the shared store takes them, `tokens(kind)` of each
+    /// (signed when settling), at the whole refill: the store counts every replica's
+    /// requests.
+    pub fn shared(&self, tokens: impl Fn(Kind) -> i64) -> Vec<(i64, f64, u64)> {
+        let per_token_us = |b: &Bucket| b.per_token.mul_f64(self.share).as_secs_f64() * 1e6;
+        let each = |b: &Bucket| (tokens(b.kind), per_token_us(b), b.capacity);
+        self.configured.iter().map(each).collect()
+    }
+
     /// The answer to a request that reserved `estimate` reported `used` (what it did not
-    /// report counts as estimated): the difference is given back or charged. Whether
-    /// any tokens came back (a waiting request may fit now).
-    pub fn settle(&mut self, estimate: Tokens, used: Tokens, now: Instant) -> bool {
+    /// report counts as estimated): the difference is given back or charged, in the
+    /// buckets this process keeps (`shared`: the caller settles the configured ones in
+    /// the shared store). Whether any tokens came back (a waiting request may fit now).
+    pub fn settle(&mut self, estimate: Tokens, used: Tokens, now: Instant, shared: bool) -> bool {
         self.reserved = self.reserved.saturating_sub(estimate.total());
         self.used.input += u64::from(used.input);
         self.used.output += u64::from(used.output);
         let mut gave = false;
-        let all = self
-            .configured
-            .iter_mut()
-            .chain(self.announced.iter_mut().flatten());
-        for bucket in all {
+        for bucket in self.kept(shared) {
             let (reserved, spent) = (bucket.kind.of(estimate), bucket.kind.of(used));
             if spent > reserved {
                 bucket.take(spent - reserved, now);
@@ -355,8 +373,13 @@ pub(super) fn token_budget(
 
 impl State {
     /// Until when the tokens of a request estimated at `estimate` do not fit.
-    pub(super) fn tokens_hold(&self, estimate: Option<Tokens>, now: Instant) -> Option<Instant> {
-        let at = self.tokens.as_ref()?.earliest(estimate?, now);
+    pub(super) fn tokens_hold(
+        &self,
+        estimate: Option<Tokens>,
+        now: Instant,
+        shared: bool,
+    ) -> Option<Instant> {
+        let at = self.tokens.as_ref()?.earliest(estimate?, now, shared);
         (at > now).then_some(at)
     }
 }
@@ -389,30 +412,30 @@ mod tests {
         let now = Instant::now();
         // 6 000 a minute: 100 a second, 6 000 when full.
         let mut b = TokenBudget::new(&settings("6000/m", "", ""), 1.0, now);
-        assert_eq!(b.earliest(t(4000, 1000), now), now);
-        b.take(t(4000, 1000), now);
-        assert_eq!(b.earliest(t(1000, 0), now), now);
+        assert_eq!(b.earliest(t(4000, 1000), now, false), now);
+        b.take(t(4000, 1000), now, false);
+        assert_eq!(b.earliest(t(1000, 0), now, false), now);
         // 5 000 in use: 1 500 more need 500 refilled, 5 s.
-        assert_eq!(b.earliest(t(1000, 500), now), now + ms(5000));
+        assert_eq!(b.earliest(t(1000, 500), now, false), now + ms(5000));
         // More than the whole bucket waits for a full one, not forever.
-        assert_eq!(b.earliest(t(9000, 0), now), now + ms(50_000));
+        assert_eq!(b.earliest(t(9000, 0), now, false), now + ms(50_000));
     }
 
     #[test]
     fn usage_below_the_estimate_comes_back_above_it_is_charged() {
         let now = Instant::now();
         let mut b = TokenBudget::new(&settings("6000/m", "", ""), 1.0, now);
-        b.take(t(1000, 4000), now);
-        assert!(b.settle(t(1000, 4000), t(900, 100), now));
+        b.take(t(1000, 4000), now, false);
+        assert!(b.settle(t(1000, 4000), t(900, 100), now, false));
         assert_eq!(b.status(now).buckets[0].in_use, 1000);
         assert_eq!(b.status(now).reserved, 0);
-        b.take(t(100, 100), now);
-        assert!(!b.settle(t(100, 100), t(150, 450), now));
+        b.take(t(100, 100), now, false);
+        assert!(!b.settle(t(100, 100), t(150, 450), now, false));
         assert_eq!(b.status(now).buckets[0].in_use, 1600);
         // Never more back than is in use.
-        b.settle(t(0, 0), t(0, 0), now);
-        b.take(t(10, 10), now);
-        b.settle(t(10, 5000), t(0, 0), now);
+        b.settle(t(0, 0), t(0, 0), now, false);
+        b.take(t(10, 10), now, false);
+        b.settle(t(10, 5000), t(0, 0), now, false);
         assert!(b.is_idle(now));
     }
 
@@ -420,17 +443,17 @@ mod tests {
     fn input_and_output_buckets_each_count_their_kind() {
         let now = Instant::now();
         let mut b = TokenBudget::new(&settings("", "600/m", "60/m"), 1.0, now);
-        b.take(t(600, 30), now);
+        b.take(t(600, 30), now, false);
         // Input is spent: 10 more wait 1 s; output has 30 left.
-        assert_eq!(b.earliest(t(10, 30), now), now + ms(1000));
-        assert_eq!(b.earliest(t(0, 40), now), now + ms(10_000));
+        assert_eq!(b.earliest(t(10, 30), now, false), now + ms(1000));
+        assert_eq!(b.earliest(t(0, 40), now, false), now + ms(10_000));
     }
 
     #[test]
     fn announced_limits_hold_no_earlier_than_the_upstream_says() {
         let now = Instant::now();
         let mut b = TokenBudget::new(&settings("", "", ""), 1.0, now);
-        assert_eq!(b.earliest(t(5000, 5000), now), now);
+        assert_eq!(b.earliest(t(5000, 5000), now, false), now);
         let said = |remaining, reset| TokenLimits {
             total: Some(Announced {
                 limit: 6000,
@@ -441,10 +464,10 @@ mod tests {
         };
         // 6 000 a minute, full again in 30 s: 3 000 in use.
         b.announced(&said(3000, 30_000), now);
-        assert_eq!(b.earliest(t(3000, 0), now), now);
-        assert_eq!(b.earliest(t(3000, 100), now), now + ms(1000));
+        assert_eq!(b.earliest(t(3000, 0), now, false), now);
+        assert_eq!(b.earliest(t(3000, 100), now, false), now + ms(1000));
         // A later answer that says less is in use does not undo what we took.
-        b.take(t(3000, 0), now);
+        b.take(t(3000, 0), now, false);
         b.announced(&said(3000, 30_000), now);
         assert_eq!(b.status(now).buckets[0].in_use, 6000);
         assert_eq!(b.status(now).buckets[0].source, "announced");
@@ -465,7 +488,7 @@ mod tests {
         // Little in use: a minute's refill is assumed.
         b.announced(&said(2900, 2000), now);
         assert_eq!(b.status(now).buckets[0].per_second.round(), 50.0);
-        b.take(t(100, 0), now);
+        b.take(t(100, 0), now, false);
         assert_eq!(b.status(now).buckets[0].in_use, 200);
         // 1 500 in use, full in 3 s: 500 a second; what is in use stays in use.
         b.announced(&said(1500, 3000), now);
@@ -477,17 +500,17 @@ mod tests {
     fn a_shared_store_spends_this_replicas_share_of_each_refill() {
         let now = Instant::now();
         let mut b = TokenBudget::new(&settings("6000/m", "", ""), 0.5, now);
-        b.take(t(6000, 0), now);
-        assert_eq!(b.earliest(t(100, 0), now), now + ms(2000));
+        b.take(t(6000, 0), now, false);
+        assert_eq!(b.earliest(t(100, 0), now, false), now + ms(2000));
     }
 
     #[test]
     fn a_reload_keeps_what_is_in_use() {
         let now = Instant::now();
         let mut b = TokenBudget::new(&settings("6000/m", "", ""), 1.0, now);
-        b.take(t(3000, 0), now);
+        b.take(t(3000, 0), now, false);
         b.reconfigure(&settings("12000/m", "", ""), now);
         assert_eq!(b.status(now).buckets[0].in_use, 3000);
-        assert_eq!(b.earliest(t(9000, 0), now), now);
+        assert_eq!(b.earliest(t(9000, 0), now, false), now);
     }
 }

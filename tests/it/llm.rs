@@ -95,24 +95,7 @@ async fn run(
         env.push(("HTTPS_PROXY", proxy.url()));
     }
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut cmd = clean_command("python3", &env);
-    let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
-    cmd.args([
-        "-W",
-        "ignore",
-        "tests/python/llm_calls.py",
-        dialect,
-        &base,
-        &calls,
-        &clients,
-    ]);
-    let out = tokio::time::timeout(BOUND * 3, cmd.output())
-        .await
-        .expect("the calls end in time")
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let calls: Calls = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)));
+    let calls = sdk_calls(dialect, &base, &env, CALLS, CLIENTS).await;
     let scheme = if let Via::Intercept = via {
         "https"
     } else {
@@ -136,6 +119,41 @@ async fn run(
         .expect("the group")
         .clone();
     (calls, stats, group, proxy.log())
+}
+
+/// Runs `calls` calls from `clients` threads of the `dialect`'s SDK against `base`,
+/// with `env`; what the client said of them.
+async fn sdk_calls(
+    dialect: &str,
+    base: &str,
+    env: &[(&str, &str)],
+    calls: usize,
+    clients: usize,
+) -> Calls {
+    let mut cmd = clean_command("python3", env);
+    let (calls, clients) = (calls.to_string(), clients.to_string());
+    cmd.args([
+        "-W",
+        "ignore",
+        "tests/python/llm_calls.py",
+        dialect,
+        base,
+        &calls,
+        &clients,
+    ]);
+    let out = tokio::time::timeout(BOUND * 3, cmd.output())
+        .await
+        .expect("the calls end in time")
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// What the upstream said of its run (plain HTTP).
+async fn upstream_stats(upstream: &External) -> Stats {
+    let stats = curl(&[&upstream.url("/stats")], &[]).await;
+    serde_json::from_str(&stats.text()).unwrap_or_else(|e| panic!("{e}: {}", stats.stderr))
 }
 
 /// Every call succeeded, the upstream refused at most 2 % of what it was sent, and
@@ -244,4 +262,61 @@ async fn sdks_through_https_proxy_with_interception_keep_the_token_budget() {
     let told = "llm = \"anthropic\"";
     let (calls, stats, group, _) = run("anthropic", &limits, told, Via::Intercept).await;
     check(&calls, &stats, &group);
+}
+
+/// Three replicas on Redis share one configured token budget: a third of the calls
+/// through each, all at once. The buckets live in Redis, so together they keep it.
+#[tokio::test]
+async fn three_replicas_on_redis_keep_one_token_budget() {
+    let redis = RedisServer::start().await;
+    let args = [
+        "-I",
+        "tests/upstreams/llm-upstream.py",
+        "openai",
+        "--tokens",
+        "8000",
+        "--period",
+        "2",
+    ];
+    let upstream = External::start("python3", &args);
+    let config = format!(
+        "[backend]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"300ms\"\n\
+         [[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n\
+         [[limit]]\nname = \"llm\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"120s\"\n\
+         tokens = \"8000/2s\"\n{ADMIN_ON_PORT_0}",
+        redis.url(),
+        upstream.url("/"),
+    );
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(Tollgate::start(&config).await);
+    }
+    let runs = replicas.iter().map(|proxy| {
+        let base = format!("{}/llm/v1", proxy.url());
+        async move { sdk_calls("openai", &base, &[], CALLS / 2, CLIENTS / 2).await }
+    });
+    let runs = futures_util::future::join_all(runs).await;
+    let stats = upstream_stats(&upstream).await;
+    let calls = 3 * (CALLS / 2);
+    for run in &runs {
+        assert!(run.failed.is_empty(), "every call succeeds: {run:?}");
+    }
+    assert_eq!(runs.iter().map(|r| r.ok).sum::<usize>(), calls);
+    assert_eq!(stats.admitted, calls, "{stats:?}");
+    assert!(
+        stats.refused * 50 <= stats.admitted,
+        "the upstream refused {} of {}: the replicas did not share the budget",
+        stats.refused,
+        stats.admitted
+    );
+    let mut read = (0, 0);
+    for proxy in &replicas {
+        let (_, status) = proxy.admin("/status").await;
+        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+        let tokens = &status["groups"][0]["tokens"];
+        read.0 += tokens["used_input"].as_u64().unwrap();
+        read.1 += tokens["used_output"].as_u64().unwrap();
+        assert_eq!(tokens["reserved"], 0, "{tokens}");
+    }
+    assert_eq!(read, (stats.used_input, stats.used_output));
 }

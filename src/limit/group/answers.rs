@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Group, State};
+use crate::limit::store::Store;
 use crate::llm::headers::TokenLimits;
 use crate::llm::Tokens;
 use crate::ratelimit_headers::Announcement;
@@ -104,12 +105,18 @@ impl Group {
     /// difference goes back to the buckets, or is charged. A head waiting for tokens
     /// looks again when some came back.
     pub fn settle_tokens(&self, estimate: Tokens, used: Tokens) {
+        let shared = self.shares_tokens();
         let mut state = self.lock();
         let Some(tokens) = &mut state.tokens else {
             return;
         };
-        let gave = tokens.settle(estimate, used, Instant::now());
+        let mut gave = tokens.settle(estimate, used, Instant::now(), shared);
+        let buckets = tokens.shared(|k| k.of(used) as i64 - k.of(estimate) as i64);
         drop(state);
+        if let (true, Store::Redis(redis)) = (shared, &self.store) {
+            gave |= buckets.iter().any(|(n, _, _)| *n < 0);
+            redis.settle_tokens(&self.name, buckets);
+        }
         self.metrics
             .tokens
             .used(u64::from(used.input), u64::from(used.output));
