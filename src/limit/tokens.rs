@@ -61,8 +61,14 @@ impl Kind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Bucket {
     kind: Kind,
+    /// The limit as configured or announced: tokens when full, for all replicas.
+    limit: u64,
+    /// This process's share of it: `limit × share`, refilled at the share of the rate,
+    /// so that a full bucket takes as long to refill as the whole one.
     capacity: u64,
     per_token: Duration,
+    /// From empty to full, whatever the share.
+    period: Duration,
     /// This process's account: what its requests took, and what their answers gave
     /// back.
     tat: Instant,
@@ -74,12 +80,15 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn new(kind: Kind, capacity: u64, period: Duration, share: f64, now: Instant) -> Bucket {
-        let capacity = capacity.max(1);
+    fn new(kind: Kind, limit: u64, period: Duration, share: f64, now: Instant) -> Bucket {
+        let limit = limit.max(1);
+        let share = share.clamp(1e-6, 1.0);
         Bucket {
             kind,
-            capacity,
-            per_token: period.div_f64(capacity as f64 * share.clamp(1e-6, 1.0)),
+            limit,
+            capacity: ((limit as f64 * share).round() as u64).max(1),
+            per_token: period.div_f64(limit as f64 * share),
+            period,
             tat: now,
             seen: None,
         }
@@ -113,8 +122,17 @@ impl Bucket {
             .max(now);
     }
 
-    /// Refills one token every `per_token` from `now` on, with as many in use.
-    fn refill_at(&mut self, per_token: Duration, now: Instant) {
+    /// Keeps `share` of the limit from now on. When the bucket is full again does not
+    /// change: its capacity and its refill both scale.
+    fn share(&mut self, share: f64) {
+        let scaled = Bucket::new(self.kind, self.limit, self.period, share, self.tat);
+        (self.capacity, self.per_token) = (scaled.capacity, scaled.per_token);
+    }
+
+    /// Refills from empty to full in `period` from `now` on, with as many in use.
+    fn refill_at(&mut self, period: Duration, share: f64, now: Instant) {
+        let per_token = Bucket::new(self.kind, self.limit, period, share, now).per_token;
+        self.period = period;
         let factor = per_token.as_secs_f64() / self.per_token.as_secs_f64().max(1e-12);
         let rescale = move |tat: Instant| now + tat.saturating_duration_since(now).mul_f64(factor);
         self.seen = self.seen.map(rescale);
@@ -214,6 +232,22 @@ impl TokenBudget {
             .chain(self.announced.iter().flatten())
     }
 
+    /// Keeps `share` of each limit from now on (1 / the replicas sharing the store,
+    /// which a replica learns as it sees the others).
+    pub fn set_share(&mut self, share: f64) {
+        if share == self.share {
+            return;
+        }
+        self.share = share;
+        let all = self
+            .configured
+            .iter_mut()
+            .chain(self.announced.iter_mut().flatten());
+        for bucket in all {
+            bucket.share(share);
+        }
+    }
+
     /// The buckets this process keeps: the announced ones, and the configured ones
     /// unless the shared store keeps those (`shared`).
     fn kept(&mut self, shared: bool) -> impl Iterator<Item = &mut Bucket> {
@@ -250,7 +284,7 @@ impl TokenBudget {
     /// requests.
     pub fn shared(&self, tokens: impl Fn(Kind) -> i64) -> Vec<(i64, f64, u64)> {
         let per_token_us = |b: &Bucket| b.per_token.mul_f64(self.share).as_secs_f64() * 1e6;
-        let each = |b: &Bucket| (tokens(b.kind), per_token_us(b), b.capacity);
+        let each = |b: &Bucket| (tokens(b.kind), per_token_us(b), b.limit);
         self.configured.iter().map(each).collect()
     }
 
@@ -295,15 +329,14 @@ impl TokenBudget {
             let period = (in_use >= limit / 4 && !reset.is_zero())
                 .then(|| reset.mul_f64(limit as f64 / in_use as f64));
             let bucket = match slot {
-                Some(b) if b.capacity == limit => b,
+                Some(b) if b.limit == limit => b,
                 _ => slot.insert(Bucket {
                     tat: now + reset,
                     ..Bucket::new(*kind, limit, MINUTE, self.share, now)
                 }),
             };
             if let Some(period) = period {
-                let per_token = Bucket::new(*kind, limit, period, self.share, now).per_token;
-                bucket.refill_at(per_token, now);
+                bucket.refill_at(period, self.share, now);
             }
             bucket.seen = Some(now + reset);
         }
@@ -500,8 +533,23 @@ mod tests {
     fn a_shared_store_spends_this_replicas_share_of_each_refill() {
         let now = Instant::now();
         let mut b = TokenBudget::new(&settings("6000/m", "", ""), 0.5, now);
-        b.take(t(6000, 0), now, false);
+        // Half of the bucket, refilled at half the rate: 50 a second.
+        assert_eq!(b.earliest(t(3000, 0), now, false), now);
+        b.take(t(3000, 0), now, false);
         assert_eq!(b.earliest(t(100, 0), now, false), now + ms(2000));
+        // What the upstream says remains is this replica's share of it.
+        let said = TokenLimits {
+            total: Some(Announced {
+                limit: 1000,
+                remaining: 1000,
+                reset: Duration::ZERO,
+            }),
+            ..TokenLimits::default()
+        };
+        b.announced(&said, now);
+        let announced = &b.status(now).buckets[1];
+        assert_eq!((announced.capacity, announced.in_use), (500, 0));
+        assert_eq!(b.shared(|_| 7), [(7, 10_000.0, 6000)]);
     }
 
     #[test]

@@ -128,6 +128,7 @@ impl Group {
     /// An answer's headers announced the upstream's token `limits`.
     pub fn tokens_announced(&self, limits: &TokenLimits) {
         if let Some(tokens) = &mut self.lock().tokens {
+            tokens.set_share(1.0 / f64::from(self.store.replicas()));
             tokens.announced(limits, Instant::now());
         }
     }

@@ -29,7 +29,11 @@ impl Group {
         let now = Instant::now();
         let shared = self.shares_tokens();
         let (until, buckets) = {
-            let state = self.lock();
+            let mut state = self.lock();
+            let share = 1.0 / f64::from(self.store.replicas());
+            if let Some(tokens) = &mut state.tokens {
+                tokens.set_share(share);
+            }
             let until = state.tokens_hold(Some(estimate), now, shared);
             let buckets = state
                 .tokens
