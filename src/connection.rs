@@ -19,6 +19,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -26,7 +27,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Holding};
 use crate::classify::Inside;
-use crate::half_close::{HalfClose, Sending};
+use crate::half_close::{HalfClose, Sending, Unread};
 use crate::proxy::Proxy;
 use crate::relay::KeepWhileOpen;
 use crate::tunnel::Intercepted;
@@ -81,8 +82,8 @@ impl Client {
     /// `drain` asks it to finish (it then closes after the requests in hand), or `cut`.
     pub(crate) async fn serve(mut self, stream: TcpStream) {
         let (remote, drain, cut) = (self.remote, self.drain.clone(), self.cut.clone());
-        let h2 = tokio::select! {
-            h2 = tokio::time::timeout(self.protocols.header_timeout, speaks_h2(&stream)) => h2,
+        let first = tokio::select! {
+            first = tokio::time::timeout(self.protocols.header_timeout, first_bytes(&stream)) => first,
             // A connection accepted just before shutdown may have its request on the way:
             // it is served if its first bytes come soon after the drain begins.
             () = async {
@@ -91,15 +92,17 @@ impl Client {
             } => return,
             () = cut.cancelled() => return,
         };
-        let ended = match h2 {
+        let ended = match first {
             // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
             // it would size every connection's task.
-            Ok(Ok((true, _))) => Box::pin(self.serve_http2(TokioIo::new(stream))).await,
-            Ok(Ok((false, first_byte))) => {
-                self.first_byte = Some(first_byte);
+            Ok(Ok(First { h2: true, .. })) => {
+                Box::pin(self.serve_http2(TokioIo::new(stream))).await
+            }
+            Ok(Ok(First { at, head, .. })) => {
+                self.first_byte = Some(at);
                 let sending = Arc::new(Sending::default());
                 self.sending = Some(sending.clone());
-                let io = HalfClose::new(stream, sending, self.protocols.body_idle);
+                let io = HalfClose::new(stream, sending, self.protocols.body_idle, head);
                 self.serve_http1(TokioIo::new(io)).await
             }
             Ok(Err(e)) => {
@@ -127,6 +130,12 @@ impl Client {
             let client = client.clone();
             service_fn(move |req: Request<Incoming>| {
                 let client = client.clone();
+                // Now, before hyper reads on: the body stays in the kernel until the
+                // proxy asks for it (see `half_close`).
+                let req = match &client.sending {
+                    Some(sending) => req.map(|body| sending.hold(body)),
+                    None => req.map(Unread::free),
+                };
                 async move { Ok::<_, Infallible>(client.answer(req).await) }
             })
         };
@@ -155,6 +164,7 @@ impl Client {
                     req.extensions_mut()
                         .insert(KeepWhileOpen::new(open.clone()));
                 }
+                let req = req.map(Unread::free);
                 async move {
                     let response = client.answer(req).await;
                     // The stream is open until its response body has been sent.
@@ -185,7 +195,7 @@ impl Client {
     /// The proxy's answer to one request of this connection. When it opened an
     /// intercepted tunnel, what the client sends through it is served as a connection of
     /// its own, from when hyper hands the tunnel over.
-    async fn answer(&self, mut req: Request<Incoming>) -> Response<Body> {
+    async fn answer(&self, mut req: Request<Unread<Incoming>>) -> Response<Body> {
         if let Some(keep) = &self.keep {
             req.extensions_mut().insert(keep.clone());
         }
@@ -257,24 +267,57 @@ impl Client {
 trait Io: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static {}
 impl<T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static> Io for T {}
 
-/// Whether the client opens with HTTP/2's preface, from its first bytes, peeked so
-/// that hyper reads them again. (hyper-util's `auto` connection reads them itself and
-/// hands them back in front of the socket, which grows hyper's read buffer on the
-/// first request of every connection.)
-///
-/// Also returns when the first byte was seen: the first head's budget starts there.
-async fn speaks_h2(stream: &TcpStream) -> std::io::Result<(bool, Instant)> {
-    let mut first = [0u8; H2_PREFACE.len()];
+/// What a connection's first bytes show, peeked so that hyper reads them again.
+/// (hyper-util's `auto` connection reads them itself and hands them back in front of
+/// the socket, which grows hyper's read buffer on the first request of every
+/// connection.)
+struct First {
+    /// The client opens with HTTP/2's preface.
+    h2: bool,
+    /// When the first byte was seen: the first head's budget starts there.
+    at: Instant,
+    /// How long the first head is, when the peek saw all of it (see
+    /// [`HalfClose::new`]).
+    head: Option<usize>,
+}
+
+/// The most of a first head the version check looks at.
+const FIRST_PEEK: usize = 4096;
+
+async fn first_bytes(stream: &TcpStream) -> std::io::Result<First> {
+    use futures_util::FutureExt;
     let mut pause = Duration::from_millis(5);
     let mut first_byte = None;
     loop {
-        let n = stream.peek(&mut first).await?;
-        let since = *first_byte.get_or_insert_with(Instant::now);
-        if n == 0 || !H2_PREFACE.starts_with(&first[..n]) {
-            return Ok((false, since));
+        stream.readable().await?;
+        // On the heap, and only once bytes are there, for the moment of one peek: the
+        // connection's task is sized by its largest state and lives as long as the
+        // connection, and buffers held while many new connections wait would stay
+        // behind in the allocator's pages.
+        let mut space = Vec::with_capacity(FIRST_PEEK);
+        let mut first = ReadBuf::uninit(space.spare_capacity_mut());
+        let peek = std::future::poll_fn(|cx| stream.poll_peek(cx, &mut first));
+        let Some(peeked) = peek.now_or_never() else {
+            continue;
+        };
+        let n = peeked?;
+        let at = *first_byte.get_or_insert_with(Instant::now);
+        let first = first.filled();
+        if n == 0 || !H2_PREFACE.starts_with(&first[..n.min(H2_PREFACE.len())]) {
+            let head = first.windows(4).position(|w| w == b"\r\n\r\n");
+            let head = head.map(|end| end + 4);
+            return Ok(First {
+                h2: false,
+                at,
+                head,
+            });
         }
-        if n == H2_PREFACE.len() {
-            return Ok((true, since));
+        if n >= H2_PREFACE.len() {
+            return Ok(First {
+                h2: true,
+                at,
+                head: None,
+            });
         }
         // Part of the preface: peeking again at once would see the same bytes. A client
         // that stalls there is looked at less and less often.

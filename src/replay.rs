@@ -168,8 +168,10 @@ impl Replayable {
             false => None,
         };
         let Some(mut reserved) = reserved else {
-            // Too big to replay, or no room: not read ahead at all.
-            *self = Replayable::Once(req.take());
+            // Too big to replay, or no room: not read ahead at all. Its head is a copy,
+            // as a buffered one's, so that it keeps no buffer of hyper's while it waits.
+            let (parts, body) = req.take().expect("read once").into_parts();
+            *self = Replayable::Once(Some(Request::from_parts(owned_head(parts), body)));
             return Ok(());
         };
         let (parts, body) = req.take().expect("read once").into_parts();

@@ -36,7 +36,7 @@ use crate::access_log::{self, Timing};
 use crate::body::{self, Body};
 use crate::classify::{Classifier, Inside, Kind, Target};
 use crate::error::ProxyError;
-use crate::half_close::Sending;
+use crate::half_close::{Sending, Unread};
 use crate::intercept::Intercept;
 use crate::limit::{Cost, Group, Limits, Permit, Redis};
 use crate::metrics::Metrics;
@@ -100,7 +100,7 @@ impl Proxy {
     /// and an `async fn` would keep its arguments there besides what they become.
     pub fn handle(
         &self,
-        req: Request<Incoming>,
+        req: Request<Unread<Incoming>>,
         local: SocketAddr,
         client: SocketAddr,
         inside: Option<&Inside>,

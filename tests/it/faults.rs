@@ -409,6 +409,123 @@ async fn a_body_beyond_replay_memory_streams_once_and_is_not_replayed() {
     proxy.shutdown().await;
 }
 
+/// The only permit of group `one`, held by a download the upstream stalls until
+/// [`Upstream::release`].
+async fn hold_the_permit(tollgate: &Tollgate, upstream: &Upstream) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut held = tokio::net::TcpStream::connect(tollgate.addr).await.unwrap();
+    let url = upstream.url("/bytes/100?hold=10");
+    let hold = format!(
+        "GET {url} HTTP/1.1\r\nHost: {}\r\n\r\n",
+        upstream.authority()
+    );
+    held.write_all(hold.as_bytes()).await.unwrap();
+    assert_eq!(read_response_head(&mut held).await.0.status, 200);
+    held
+}
+
+/// How much of the `sent` bytes written on `client` the other end has read, once all
+/// of them have reached it (what is not in its receive queue was read).
+fn read_of(client: &tokio::net::TcpStream, sent: usize) -> Option<usize> {
+    let (ours, theirs) = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+    let sockets = tcp_sockets();
+    let end = |local, remote| {
+        sockets
+            .iter()
+            .find(|s| (s.local, s.remote) == (local, remote))
+    };
+    if end(ours, theirs)?.tx_queue > 0 {
+        return None;
+    }
+    Some(sent - end(theirs, ours)?.rx_queue as usize)
+}
+
+/// A request whose body is beyond `replay_memory` waits with its body unread, in the
+/// kernel's buffers: tollgate has read its head and nothing more. A client that leaves
+/// while it waits is noticed all the same, by a reset in the middle of its upload or by
+/// the end of its stream behind a whole body, and its request is counted cancelled,
+/// never sent; one that stays is sent whole when its turn comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_waits_unread_and_a_client_that_leaves_it_is_noticed() {
+    use crate::promises::{group_status, outcome};
+    use tokio::io::AsyncWriteExt;
+    const BIG: usize = 1 << 20;
+    // Beyond replay_memory, and small enough to sit whole in the kernel's buffers.
+    const SMALL: usize = 32 * 1024;
+    let upstream = Upstream::start_bulk().await;
+    let tollgate = Tollgate::start(&format!(
+        "[proxy]\nreplay_memory = \"16KiB\"\n\
+         [[limit]]\nname = \"one\"\nhosts = [\"127.0.0.1\"]\nconcurrency = 1\n\
+         max_wait = \"5m\"\n{ADMIN_ON_PORT_0}"
+    ))
+    .await;
+    let queued = async |n: u64| {
+        eventually_async(async || {
+            (group_status(&tollgate, "one").await["queued"] == n).then_some(())
+        })
+        .await
+    };
+    let _held = hold_the_permit(&tollgate, &upstream).await;
+
+    let body = pattern_bytes(BIG);
+    let upload = |path: &str, len: usize| {
+        let (url, host) = (upstream.url(path), upstream.authority());
+        let head = format!("POST {url} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len}\r\n\r\n");
+        [head.as_bytes(), &body[..len]].concat()
+    };
+    // One leaves with a reset, in the middle of its upload.
+    let reset = tokio::net::TcpStream::connect(tollgate.addr).await.unwrap();
+    let request = upload("/reset", BIG);
+    let mut written = 0;
+    while let Ok(n @ 1..) = reset.try_write(&request[written..]) {
+        written += n;
+    }
+    queued(1).await;
+    // One sends its whole body, which stays unread: tollgate has read its head only.
+    let mut half = tokio::net::TcpStream::connect(tollgate.addr).await.unwrap();
+    let request = upload("/half", SMALL);
+    half.write_all(&request).await.unwrap();
+    queued(2).await;
+    let read = eventually(|| read_of(&half, request.len())).await;
+    assert_eq!(
+        read,
+        request.len() - SMALL,
+        "tollgate read more than the head"
+    );
+    // One stays.
+    let stays = tokio::spawn({
+        let (addr, request) = (tollgate.addr, upload("/stays", BIG));
+        async move {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            stream.write_all(&request).await.unwrap();
+            read_response(&mut stream).await
+        }
+    });
+    queued(3).await;
+
+    reset.set_zero_linger().unwrap();
+    drop(reset);
+    tollgate
+        .wait_metric(&outcome("one", "cancelled"), 1.0)
+        .await;
+    // The end of its stream, behind its body: the client is gone while its request waits.
+    half.shutdown().await.unwrap();
+    tollgate
+        .wait_metric(&outcome("one", "cancelled"), 2.0)
+        .await;
+    assert_eq!(group_status(&tollgate, "one").await["queued"], 1);
+
+    upstream.release();
+    let stays = tokio::time::timeout(BOUND, stays).await.unwrap().unwrap();
+    let whole = format!("{BIG} {}", pattern_digest(BIG as u64).hash);
+    assert_eq!((stays.status, stays.text()), (200, whole));
+    assert_eq!(
+        upstream.uploads(),
+        [pattern_digest(BIG as u64)],
+        "only the upload that stayed reached the upstream"
+    );
+}
+
 // ---------------------------------------------------------------------------------
 // Half-closed clients
 // ---------------------------------------------------------------------------------
