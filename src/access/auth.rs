@@ -245,20 +245,12 @@ impl Users {
             return None;
         }
 
-        let Ok(decoded) = STANDARD_PAD_INDIFFERENT.decode(token) else {
-            tracing::debug!("proxy authentication: the Basic credentials are not base64");
+        let Some(decoded) = decode(token) else {
+            tracing::debug!("proxy authentication: the Basic credentials are malformed");
             return None;
         };
-        // RFC 7617: the user-id cannot contain ':', the password can.
-        let Some(colon) = decoded.iter().position(|&b| b == b':') else {
-            tracing::debug!("proxy authentication: the Basic credentials have no ':'");
-            return None;
-        };
-        let (name, password) = (&decoded[..colon], &decoded[colon + 1..]);
-        let known = std::str::from_utf8(name)
-            .ok()
-            .and_then(|name| self.hashes.get_key_value(name));
-        let Some((name, hash)) = known else {
+        let (name, password) = split(&decoded);
+        let Some((name, hash)) = self.known(name) else {
             self.bcrypt(password, &self.decoy);
             self.failed(key);
             // The name may be a password typed in the wrong field: not logged.
@@ -272,6 +264,22 @@ impl Users {
         }
         self.remember(key, name);
         Some(name.clone())
+    }
+
+    /// The bcrypt cost of the check [`Users::verify`] makes of a credential: that of its
+    /// user's hash, or of the hash an unknown name is checked against. A credential
+    /// that cannot be decoded is refused without a check: its cost is that of the
+    /// unknown name too, which is all a bound needs.
+    pub fn cost_of(&self, header: Option<&HeaderValue>) -> u32 {
+        let decoded = header.and_then(|h| decode(basic_token(h.as_bytes())?));
+        let known = decoded.as_deref().and_then(|d| self.known(split(d).0));
+        cost(known.map_or(&self.decoy, |(_, hash)| hash))
+    }
+
+    /// The name and hash of the user `name` names, if the file has it.
+    fn known(&self, name: &[u8]) -> Option<(&String, &String)> {
+        let name = std::str::from_utf8(name).ok()?;
+        self.hashes.get_key_value(name)
     }
 
     /// The user a credential verified before authenticates: [`Users::verify`] without
@@ -361,6 +369,30 @@ fn basic_token(value: &[u8]) -> Option<&[u8]> {
     // `credentials = auth-scheme [ 1*SP token68 ]`: one or more spaces.
     let token = rest.trim_ascii_start();
     (!token.is_empty()).then_some(token)
+}
+
+/// `user-id:password` from a `Basic` token, when it is base64 and has the `:`.
+fn decode(token: &[u8]) -> Option<Vec<u8>> {
+    let decoded = STANDARD_PAD_INDIFFERENT.decode(token).ok()?;
+    decoded.contains(&b':').then_some(decoded)
+}
+
+/// The user-id and the password of decoded credentials. RFC 7617: the user-id cannot
+/// contain ':', the password can.
+fn split(decoded: &[u8]) -> (&[u8], &[u8]) {
+    let colon = decoded
+        .iter()
+        .position(|&b| b == b':')
+        .unwrap_or(decoded.len());
+    (
+        &decoded[..colon],
+        decoded.get(colon + 1..).unwrap_or_default(),
+    )
+}
+
+/// The cost of a hash [`Users::parse`] has accepted: `$2y$NN$...`.
+fn cost(hash: &str) -> u32 {
+    hash.get(4..6).and_then(|n| n.parse().ok()).unwrap_or(31)
 }
 
 fn cache_key(value: &[u8]) -> Key {
@@ -590,6 +622,19 @@ mod tests {
                 "{what}"
             );
         }
+    }
+
+    #[test]
+    fn a_credential_costs_what_its_user_s_hash_costs() {
+        let users = load(users_file());
+        let raw = |s: &str| Some(HeaderValue::from_str(s).unwrap());
+        assert_eq!(users.cost_of(Some(&basic("alice:anything"))), 5);
+        assert_eq!(users.cost_of(Some(&basic("bob:pa:ss"))), 4);
+        // Unknown or malformed: the hash an unknown name is checked against (alice's).
+        assert_eq!(users.cost_of(Some(&basic("mallory:x"))), 5);
+        assert_eq!(users.cost_of(raw("Basic !!not-base64!!").as_ref()), 5);
+        assert_eq!(users.cost_of(None), 5);
+        assert_eq!(checks(&users), 0, "no check is made to tell");
     }
 
     #[test]

@@ -10,8 +10,9 @@ pub mod auth;
 pub mod policy;
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{header, HeaderMap};
 
@@ -36,69 +37,74 @@ fn checks_at_once() -> usize {
     std::thread::available_parallelism().map_or(2, usize::from)
 }
 
-/// The longest a credential waits for its check: past it, one more is answered `429`
-/// (`Retry-After: 1`) at once rather than wait behind the others. How many that lets
-/// wait follows the users file's cost: hundreds at htpasswd's default (2 ms a check),
-/// a few at cost 12 (a third of a second), so a flood of wrong passwords costs the
-/// CPU of about a second of checks per second, whatever the cost.
-pub const CHECKS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// The bcrypt time the checks in hand may add up to, running or waiting for a core: a
+/// credential whose check would take them past it is answered `429` (`Retry-After: 1`)
+/// at once (one check is always let in, however long it takes). So a flood of
+/// different wrong passwords, however many at once and whatever the file's cost, costs
+/// at most about a second of CPU; the rest are refused until checks are done with.
+pub const CHECKS_BUDGET: Duration = Duration::from_secs(1);
 
-/// Credentials that may wait before a check's time is known.
-pub const CHECKS_WAITING: usize = 64;
+/// What a check costs per step of bcrypt's cost (a check of cost `c` takes `2^c`
+/// steps) until one has been timed: 100 µs, above what a core of today takes (60 to
+/// 75 µs), so that a flood before the first check is timed is bounded too.
+const STEP_GUESS: Duration = Duration::from_micros(100);
 
-/// The bound on bcrypt checks: a semaphore, a count of who waits for it, and how long
-/// the last check took, in microseconds (0: none yet).
+/// The bound on bcrypt checks: a semaphore, the time of the checks in hand, and what a
+/// step of cost took in the last check, in nanoseconds.
 pub struct Gate {
-    /// [`checks_at_once`], read once: it reads the cgroup's files.
-    cores: usize,
     running: tokio::sync::Semaphore,
-    waiting: AtomicUsize,
-    check_micros: std::sync::atomic::AtomicU64,
+    /// Microseconds of the checks in hand, as each was expected to take when it came.
+    in_hand: AtomicU64,
+    step_nanos: AtomicU64,
 }
 
 impl Gate {
     fn new() -> Gate {
-        let cores = checks_at_once();
         Gate {
-            cores,
-            running: tokio::sync::Semaphore::new(cores),
-            waiting: Default::default(),
-            check_micros: Default::default(),
+            running: tokio::sync::Semaphore::new(checks_at_once()),
+            in_hand: AtomicU64::new(0),
+            step_nanos: AtomicU64::new(STEP_GUESS.as_nanos() as u64),
         }
     }
 
-    /// How many may wait: [`CHECKS_WAIT`] of checks on every core, at least one each.
-    fn room(&self) -> usize {
-        match self.check_micros.load(Ordering::Relaxed) {
-            0 => CHECKS_WAITING,
-            micros => {
-                let per_core = CHECKS_WAIT.as_micros() as u64 / micros;
-                self.cores * (per_core.max(1) as usize)
-            }
-        }
+    /// How long a check of `cost` is expected to take, in microseconds.
+    fn expected_micros(&self, cost: u32) -> u64 {
+        let steps = 1u64 << cost.min(31);
+        self.step_nanos
+            .load(Ordering::Relaxed)
+            .saturating_mul(steps)
+            / 1000
     }
 
-    /// A place in the wait for a check, unless the wait is full.
-    fn wait(&self) -> Option<Waiting<'_>> {
-        let before = self.waiting.fetch_add(1, Ordering::Relaxed);
-        let place = Waiting(&self.waiting);
-        (before < self.room()).then_some(place)
+    /// A place for a check of `cost`, unless the checks in hand would then take more
+    /// than [`CHECKS_BUDGET`].
+    fn enter(&self, cost: u32) -> Option<InHand<'_>> {
+        let micros = self.expected_micros(cost);
+        let budget = CHECKS_BUDGET.as_micros() as u64;
+        let fits = |held: u64| held == 0 || held.saturating_add(micros) <= budget;
+        self.in_hand
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                fits(held).then(|| held + micros)
+            })
+            .ok()?;
+        Some(InHand(&self.in_hand, micros))
     }
 
-    /// A check took `took`.
-    fn took(&self, took: std::time::Duration) {
-        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
-        self.check_micros.store(micros, Ordering::Relaxed);
+    /// A check of `cost` took `took`.
+    fn took(&self, cost: u32, took: Duration) {
+        let steps = 1u64 << cost.min(31);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX) / steps;
+        self.step_nanos.store(nanos.max(1), Ordering::Relaxed);
     }
 }
 
-/// A place in the wait for a check, given back when dropped (also when the client
-/// leaves while it waits).
-struct Waiting<'a>(&'a AtomicUsize);
+/// A check in hand, running or waiting, with the microseconds it was expected to take;
+/// given back when dropped (also when the client leaves while it waits).
+struct InHand<'a>(&'a AtomicU64, u64);
 
-impl Drop for Waiting<'_> {
+impl Drop for InHand<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
     }
 }
 
@@ -117,7 +123,8 @@ pub enum Refused {
     },
     /// `[access] users` is set and the request carries no valid `Proxy-Authorization`.
     AuthRequired,
-    /// Too many credentials wait for their bcrypt check ([`CHECKS_WAITING`]).
+    /// The credential's bcrypt check would take the checks in hand past
+    /// [`CHECKS_BUDGET`].
     AuthBusy,
     /// The request already passed through this tollgate.
     Loop {
@@ -196,16 +203,16 @@ impl Check {
         match self {
             Check::Passed(user) => Ok(user),
             Check::Verify(users, header, gate) => {
-                let Some(waiting) = gate.wait() else {
+                let cost = users.cost_of(header.as_ref());
+                let Some(in_hand) = gate.enter(cost) else {
                     return Err(Refused::AuthBusy);
                 };
                 let running = gate.running.acquire().await;
-                drop(waiting);
                 let started = tokio::time::Instant::now();
                 let verify = tokio::task::spawn_blocking(move || users.verify(header.as_ref()));
                 let verified = verify.await;
-                gate.took(started.elapsed());
-                drop(running);
+                gate.took(cost, started.elapsed());
+                drop((running, in_hand));
                 match verified {
                     Ok(Some(user)) => Ok(Some(user)),
                     _ => Err(Refused::AuthRequired),
@@ -260,20 +267,29 @@ mod tests {
     }
 
     #[test]
-    fn the_gate_lets_so_many_wait_and_gives_a_place_back_when_one_leaves() {
+    fn the_gate_lets_in_a_second_of_checks_and_always_one() {
         let gate = Gate::new();
-        let places: Vec<_> = (0..CHECKS_WAITING).map(|_| gate.wait()).collect();
+        // Untimed, a check of cost 12 is taken to last 410 ms: two fit in a second.
+        let mut places: Vec<_> = (0..2).map(|_| gate.enter(12)).collect();
         assert!(places.iter().all(Option::is_some));
-        assert!(gate.wait().is_none(), "one more is answered at once");
-        drop(places.into_iter().next());
-        assert!(gate.wait().is_some(), "a place freed by one that left");
-        // A second of checks per core may wait: few when a check is slow.
-        let cores = checks_at_once();
-        gate.took(std::time::Duration::from_millis(300));
-        assert_eq!(gate.room(), cores * 3);
-        gate.took(std::time::Duration::from_millis(2));
-        assert_eq!(gate.room(), cores * 500);
-        gate.took(std::time::Duration::from_secs(5));
-        assert_eq!(gate.room(), cores);
+        assert!(gate.enter(12).is_none(), "a third is answered at once");
+        let cheap = gate.enter(4);
+        assert!(cheap.is_some(), "a cheap check still fits");
+        places.pop();
+        assert!(gate.enter(12).is_some(), "a place freed by one that left");
+        // Timed at 300 ms for cost 12: three fit, and then a check of 75 ms, not 150.
+        let gate = Gate::new();
+        gate.took(12, Duration::from_millis(300));
+        let places: Vec<_> = (0..3).map(|_| gate.enter(12)).collect();
+        assert!(places.iter().all(Option::is_some) && gate.enter(12).is_none());
+        assert!(gate.enter(11).is_none() && gate.enter(10).is_some());
+        drop(places);
+        let places: Vec<_> = (0..250).filter_map(|_| gate.enter(10)).collect();
+        assert_eq!(places.len(), 13);
+        drop(places);
+        // A check longer than the budget is still made, one at a time.
+        gate.took(12, Duration::from_secs(5));
+        let one = gate.enter(12);
+        assert!(one.is_some() && gate.enter(12).is_none());
     }
 }

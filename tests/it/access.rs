@@ -387,3 +387,73 @@ async fn wrong_credentials_cost_one_check_each_and_leave_good_ones_alone() {
     );
     proxy.shutdown().await;
 }
+
+/// However many different wrong passwords come at once, the checks let in are bounded
+/// by their bcrypt time, a second in all: against a cost-12 hash, before any check has
+/// been timed (each taken to last 410 ms), two are checked and the rest answered `429`
+/// with `Retry-After: 1` at once, and counted. A cheap check still fits beside them,
+/// and a credential verified once is not checked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_wrong_passwords_is_bounded_by_bcrypt_time() {
+    // `wonderland` at cost 4, and a password nobody guesses at cost 12.
+    const ALICE: &str = "alice:$2b$04$zzozvk3JWR8x68XNiTz4ZuDmo.Q8HXgJpTT6mSbvu4.eR2vMMxcj6";
+    const BOB: &str = "bob:$2b$12$QGHu4Wwylc6cqPXy3wR7POE8SFgofY1wsv3NX3koD4d63EinOFjM6";
+    const FLOOD: usize = 20;
+    let upstream = Upstream::start(|_| Reply::ok("in")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let users = write_file(dir.path(), "users", &format!("{ALICE}\n{BOB}\n"));
+    let tollgate = Tollgate::start(&format!(
+        "[access]\nallow = [\"127.0.0.0/8\"]\nusers = \"{}\"\n{ADMIN_ON_PORT_0}",
+        users.display()
+    ))
+    .await;
+    let get = |credentials: String| {
+        let (addr, url) = (tollgate.addr, upstream.url("/x"));
+        async move {
+            use base64::Engine;
+            let token = base64::engine::general_purpose::STANDARD.encode(credentials);
+            let request = format!(
+                "GET {url} HTTP/1.1\r\nHost: x\r\nProxy-Authorization: Basic {token}\r\n\
+                 Connection: close\r\n\r\n"
+            );
+            raw_request(addr, request.as_bytes()).await
+        }
+    };
+    let flood = (0..FLOOD).map(|i| get(format!("bob:guess-{i}")));
+    let flood = futures_util::future::join_all(flood).await;
+    let statuses = |status| flood.iter().filter(|r| r.status == status).count();
+    assert_eq!((statuses(407), statuses(429)), (2, FLOOD - 2));
+    for busy in flood.iter().filter(|r| r.status == 429) {
+        let body = busy.text();
+        let (content_type, proxy_status) =
+            (busy.header("content-type"), busy.header("proxy-status"));
+        assert_proxy_error(
+            429,
+            content_type,
+            proxy_status,
+            &body,
+            429,
+            "http_request_denied",
+        );
+        assert_eq!(busy.header("retry-after"), Some("1"));
+    }
+    for _ in 0..2 {
+        let alice = get("alice:wonderland".into()).await;
+        assert_eq!((alice.status, alice.text()), (200, "in".into()));
+    }
+    assert_eq!(
+        tollgate.metric("tollgate_credential_checks_total").await,
+        3.0
+    );
+    let refused = |reason| format!("tollgate_refusals_total{{reason=\"{reason}\"}}");
+    assert_eq!(
+        tollgate.metric(&refused("auth_busy")).await,
+        (FLOOD - 2) as f64
+    );
+    assert_eq!(tollgate.metric(&refused("auth_required")).await, 2.0);
+    assert_eq!(
+        upstream.requests().len(),
+        2,
+        "only alice's requests went upstream"
+    );
+}
