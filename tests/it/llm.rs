@@ -320,3 +320,40 @@ async fn three_replicas_on_redis_keep_one_token_budget() {
     }
     assert_eq!(read, (stats.used_input, stats.used_output));
 }
+
+/// Node's `openai` package (fetch, streams) through a route, told nothing.
+#[tokio::test]
+async fn node_openai_package_through_a_route_keeps_the_token_budget() {
+    let args = [
+        "-I",
+        "tests/upstreams/llm-upstream.py",
+        "openai",
+        "--tokens",
+        "8000",
+        "--period",
+        "2",
+    ];
+    let upstream = External::start("python3", &args);
+    let config = format!(
+        "[[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n\
+         [[limit]]\nname = \"llm\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"120s\"\n\
+         llm = \"openai\"\n{ADMIN_ON_PORT_0}",
+        upstream.url("/"),
+    );
+    let proxy = Tollgate::start(&config).await;
+    let mut cmd = clean_command("node", &[]);
+    let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
+    let base = format!("{}/llm/v1", proxy.url());
+    cmd.args(["tests/node/llm-calls.js", &base, &calls, &clients]);
+    let out = tokio::time::timeout(BOUND * 3, cmd.output())
+        .await
+        .expect("the calls end in time")
+        .expect("node runs (scripts/test installs it)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let calls: Calls = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)));
+    let stats = upstream_stats(&upstream).await;
+    let (_, status) = proxy.admin("/status").await;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    check(&calls, &stats, &status["groups"][0]);
+}
