@@ -21,6 +21,9 @@ use crate::config::{GroupSettings, Rate, TokenSettings};
 use crate::llm::headers::{Announced, TokenLimits};
 use crate::llm::Tokens;
 
+/// The share of a refill learned from answers that is spent.
+const LEARNED_MARGIN: f64 = crate::limit::budget::Params::DEFAULT.margin;
+
 /// The period of an announced token limit until its answers show their refill.
 const MINUTE: Duration = Duration::from_secs(60);
 
@@ -325,20 +328,28 @@ impl TokenBudget {
             // Both providers document their token limits per minute; the refill the
             // answer shows (`reset` for what is in use) says better, when enough is
             // in use that a reset rounded to the second misleads little.
+            // A learned refill is spent at the budget model's margin, as a learned
+            // rate is (docs/budget.md): resets are rounded, and the upstream's clock
+            // is not ours.
             let in_use = limit - remaining;
             let period = (in_use >= limit / 4 && !reset.is_zero())
-                .then(|| reset.mul_f64(limit as f64 / in_use as f64));
-            let bucket = match slot {
-                Some(b) if b.limit == limit => b,
-                _ => slot.insert(Bucket {
-                    tat: now + reset,
-                    ..Bucket::new(*kind, limit, MINUTE, self.share, now)
-                }),
-            };
+                .then(|| reset.mul_f64(limit as f64 / in_use as f64 / LEARNED_MARGIN));
+            let fresh = !matches!(slot, Some(b) if b.limit == limit);
+            if fresh {
+                *slot = Some(Bucket::new(*kind, limit, MINUTE, self.share, now));
+            }
+            let Some(bucket) = slot else { continue };
             if let Some(period) = period {
                 bucket.refill_at(period, self.share, now);
             }
-            bucket.seen = Some(now + reset);
+            // What is in use, counted in tokens (this replica's share of them), so
+            // that a refill still to be learned does not misread it.
+            let mine = ((in_use as f64) * self.share).round() as u64;
+            let full_at = now + bucket.span(mine);
+            if fresh {
+                bucket.tat = full_at;
+            }
+            bucket.seen = Some(full_at);
         }
     }
 
@@ -495,10 +506,12 @@ mod tests {
             }),
             ..TokenLimits::default()
         };
-        // 6 000 a minute, full again in 30 s: 3 000 in use.
+        // 6 000 a minute, full again in 30 s: 3 000 in use, 100 more refilled in a
+        // second (at the margin, 1.02 s).
         b.announced(&said(3000, 30_000), now);
         assert_eq!(b.earliest(t(3000, 0), now, false), now);
-        assert_eq!(b.earliest(t(3000, 100), now, false), now + ms(1000));
+        let wait = b.earliest(t(3000, 100), now, false) - now;
+        assert_eq!(wait.as_millis(), 1020, "{wait:?}");
         // A later answer that says less is in use does not undo what we took.
         b.take(t(3000, 0), now, false);
         b.announced(&said(3000, 30_000), now);
@@ -523,10 +536,31 @@ mod tests {
         assert_eq!(b.status(now).buckets[0].per_second.round(), 50.0);
         b.take(t(100, 0), now, false);
         assert_eq!(b.status(now).buckets[0].in_use, 200);
-        // 1 500 in use, full in 3 s: 500 a second; what is in use stays in use.
+        // 1 500 in use, full in 3 s: 500 a second, spent at 98 %; what is in use
+        // stays in use.
         b.announced(&said(1500, 3000), now);
-        assert_eq!(b.status(now).buckets[0].per_second.round(), 500.0);
+        assert_eq!(b.status(now).buckets[0].per_second.round(), 490.0);
         assert_eq!(b.status(now).buckets[0].in_use, 200);
+    }
+
+    #[test]
+    fn what_an_answer_says_is_in_use_counts_in_tokens_before_the_refill_is_known() {
+        let now = Instant::now();
+        let mut b = TokenBudget::new(&settings("", "", ""), 1.0, now);
+        // 1 000 of 8 000 in use, full in 0.25 s: too little to learn the refill from,
+        // yet 1 000 are in use, whatever the refill assumed.
+        let said = TokenLimits {
+            total: Some(Announced {
+                limit: 8000,
+                remaining: 7000,
+                reset: ms(250),
+            }),
+            ..TokenLimits::default()
+        };
+        b.announced(&said, now);
+        assert_eq!(b.status(now).buckets[0].in_use, 1000);
+        assert_eq!(b.earliest(t(7000, 0), now, false), now);
+        assert!(b.earliest(t(7001, 0), now, false) > now);
     }
 
     #[test]

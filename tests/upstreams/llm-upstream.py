@@ -9,7 +9,7 @@ Each limit is a token bucket: N tokens when full, refilled continuously, full ag
 after `period` seconds (60 for the providers; shorter in tests). A request is
 admitted on its prompt tokens plus its `max_tokens` (OpenAI: plus
 `max_completion_tokens`), charged at once, and corrected to its usage when the answer
-ends, as Anthropic documents; a request that does not fit gets the provider's 429 and
+has been generated (before its usage is sent), as Anthropic documents; a request that does not fit gets the provider's 429 and
 error body. Prompt tokens are counted by this server's own tokenizer (words and
 punctuation), which is not the proxy's estimate, as a provider's is not.
 
@@ -165,18 +165,23 @@ class Server:
         self.stats["admitted"] += 1
         output = self.rng.randint(max(1, max_out // 4), max_out)
         headers = self.headers()
+
+        def generated():
+            # The charge becomes the usage once the answer is generated, before its
+            # usage is sent.
+            used = self.charges(prompt, output)
+            for kind, n in charges.items():
+                self.buckets[kind].take(used[kind] - n)
+            self.stats["used_input"] += prompt
+            self.stats["used_output"] += output
+            self.stats["last"] = time.monotonic()
+
         if body.get("stream"):
             self.stats["streamed"] += 1
-            response = await self.stream(request, body, prompt, output, headers)
+            response = await self.stream(request, body, prompt, output, headers, generated)
         else:
+            generated()
             response = web.json_response(self.answer(body, prompt, output), headers=headers)
-        # The charge becomes the usage once the answer ends.
-        used = self.charges(prompt, output)
-        for kind, n in charges.items():
-            self.buckets[kind].take(used[kind] - n)
-        self.stats["used_input"] += prompt
-        self.stats["used_output"] += output
-        self.stats["last"] = time.monotonic()
         self.log(200)
         return response
 
@@ -194,7 +199,7 @@ class Server:
                 "stop_sequence": None,
                 "usage": {"input_tokens": prompt, "output_tokens": output}}
 
-    async def stream(self, request, body, prompt, output, headers):
+    async def stream(self, request, body, prompt, output, headers, generated):
         headers = dict(headers, **{"content-type": "text/event-stream"})
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
@@ -211,6 +216,7 @@ class Server:
                                                              "finish_reason": None}],
                                   "sent_ns": time.clock_gettime_ns(time.CLOCK_MONOTONIC)})
                 await asyncio.sleep(0.005)
+            generated()
             if (body.get("stream_options") or {}).get("include_usage"):
                 await send(None, {"id": "c", "object": "chat.completion.chunk", "created": 0,
                                   "model": "m", "choices": [],
@@ -230,6 +236,7 @@ class Server:
                                                    "sent_ns": time.clock_gettime_ns(time.CLOCK_MONOTONIC)})
                 await asyncio.sleep(0.005)
             await send("content_block_stop", {"type": "content_block_stop", "index": 0})
+            generated()
             await send("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
                                          "usage": {"output_tokens": output}})
