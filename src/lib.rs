@@ -74,7 +74,7 @@ mod shutdown;
 mod tunnel;
 mod upstream;
 
-pub use intercept::{init as init_ca, InitError};
+pub use intercept::{blind as blind_intercept, init as init_ca, InitError};
 pub use server::{run, Sockets};
 
 /// What the benchmarks and the integration tests use below the binary's surface, to

@@ -147,7 +147,12 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
         eprintln!("tollgate: {e}");
         return ExitCode::from(EXIT_BAD_CONFIG);
     }
+    let blind = (config.intercept.as_ref())
+        .and_then(|i| tollgate::blind_intercept(i, &config.proxy.connect_ports));
     if let Some(Command::CheckConfig { file }) = &cli.command {
+        if let Some(blind) = blind {
+            eprintln!("warning: {}: {blind}", file.display());
+        }
         println!("{}: ok", file.display());
         return ExitCode::SUCCESS;
     }
@@ -155,6 +160,9 @@ async fn run(cli: Cli, threads: usize, open_file_limit: Option<u64>) -> ExitCode
         config.proxy.listen = listen;
     }
     warn_if_queues_outgrow(&config, open_file_limit);
+    if let Some(blind) = blind {
+        tracing::warn!("{blind}");
+    }
     let listen = config.proxy.listen;
     let sockets = match Sockets::listen(listen, threads, cli.reuse_port) {
         Ok(sockets) => sockets,

@@ -21,7 +21,7 @@ use hyper_util::rt::TokioIo;
 use rustls::AlertDescription;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
 
-use crate::config::{HostPattern, InterceptConfig};
+use crate::config::{ConnectPorts, HostPattern, InterceptConfig};
 
 mod ca;
 
@@ -180,9 +180,105 @@ fn covers(
     listed && !bypass.iter().any(|p| p.matches(host, port))
 }
 
+/// Why some `[intercept]` hosts can never be decrypted, if they cannot: each is
+/// decrypted on ports (its own, or the web ports when it came from a `[[limit]]`) that
+/// `connect_ports` refuses to tunnel to. `check-config` warns, since their tunnels would
+/// otherwise stay blind without a word (and a host on another port needs the port
+/// written in `[intercept] hosts`).
+pub fn blind(config: &InterceptConfig, connect: &ConnectPorts) -> Option<String> {
+    let blind: Vec<String> = (config.hosts.iter())
+        .filter_map(|pattern| {
+            let ports = match pattern.port() {
+                Some(port) => vec![port],
+                None if config.web_ports_only => WEB_PORTS.to_vec(),
+                None => return None,
+            };
+            let shown = ports.iter().map(u16::to_string).collect::<Vec<_>>();
+            let host = match pattern {
+                HostPattern::Exact(exact) => exact.clone(),
+                HostPattern::Suffix(suffix) => format!("*{suffix}"),
+            };
+            let allowed = ports.iter().any(|p| connect.allows(*p));
+            (!allowed).then(|| format!("{host} (port {})", shown.join(", ")))
+        })
+        .collect();
+    let ConnectPorts::Only(allowed) = connect else {
+        return None;
+    };
+    if blind.is_empty() {
+        return None;
+    }
+    let allowed: Vec<String> = allowed.iter().map(u16::to_string).collect();
+    Some(format!(
+        "[intercept] decrypts {} only on ports [proxy] connect_ports does not allow ({}): \
+         their tunnels stay blind; write each host with its port in [intercept] hosts \
+         (e.g. \"api.example.com:8443\")",
+        blind.join(", "),
+        allowed.join(", ")
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hosts_that_no_allowed_port_reaches() {
+        let config = |hosts: &[&str], web_ports_only| InterceptConfig {
+            ca_cert: "ca.pem".into(),
+            ca_key: "ca.key".into(),
+            hosts: hosts
+                .iter()
+                .map(|h| HostPattern::parse(h).unwrap())
+                .collect(),
+            web_ports_only,
+            bypass: vec![],
+        };
+        let only = |ports: &[u16]| ConnectPorts::Only(ports.to_vec());
+        for (hosts, from_limits, connect, blind) in [
+            // The defaults: a limit's host, on 443.
+            (&["api.example.com"][..], true, only(&[443]), None),
+            (&["api.example.com"], true, only(&[80]), None),
+            (
+                &["127.0.0.1"],
+                true,
+                only(&[8443]),
+                Some("127.0.0.1 (port 443, 80)"),
+            ),
+            (
+                &["*.example.com"],
+                true,
+                only(&[8443]),
+                Some("*.example.com (port 443, 80)"),
+            ),
+            (&["127.0.0.1:8443"], true, only(&[8443]), None),
+            (
+                &["127.0.0.1:9000"],
+                false,
+                only(&[8443]),
+                Some("127.0.0.1:9000 (port 9000)"),
+            ),
+            // Written in [intercept]: any port, so some allowed one reaches it.
+            (&["127.0.0.1"], false, only(&[8443]), None),
+            (&["127.0.0.1"], true, ConnectPorts::Any, None),
+            (
+                &["a.example", "127.0.0.1:8443"],
+                true,
+                only(&[8443]),
+                Some("a.example (port 443, 80)"),
+            ),
+        ] {
+            let warning = super::blind(&config(hosts, from_limits), &connect);
+            match (blind, &warning) {
+                (None, None) => {}
+                (Some(host), Some(w)) => assert!(
+                    w.starts_with(&format!("[intercept] decrypts {host} only on ports")),
+                    "{hosts:?}: {w}"
+                ),
+                _ => panic!("{hosts:?} {connect:?}: {warning:?}"),
+            }
+        }
+    }
 
     #[test]
     fn hosts_minus_bypass() {

@@ -103,3 +103,41 @@ async fn absurd_values_are_refused_with_their_line_and_exit_64() {
         );
     }
 }
+
+/// `[intercept]` whose hosts (by default the limits' hosts, on ports 443 and 80) no
+/// port in `connect_ports` reaches: the config is valid, so exit 0, but a warning
+/// names the file, the hosts and the ports, since such tunnels would stay blind.
+#[tokio::test]
+async fn intercept_hosts_that_connect_ports_never_reach_are_warned_of() {
+    let dir = tempfile::tempdir().unwrap();
+    tollgate::init_ca(dir.path()).unwrap();
+    let text = |connect: &str| {
+        format!(
+            "[proxy]\nconnect_ports = [{connect}]\n\n[intercept]\nca_cert = {:?}\n\
+             ca_key = {:?}\n\n[[limit]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n",
+            dir.path().join("ca.pem").display().to_string(),
+            dir.path().join("ca-key.pem").display().to_string(),
+        )
+    };
+    let blind = write_file(dir.path(), "blind.toml", &text("8443"));
+    let (code, stdout, stderr) = tollgate(&["check-config".as_ref(), blind.as_os_str()]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.ends_with(": ok\n"), "{stdout}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with("warning:"))
+        .unwrap_or_else(|| panic!("no warning: {stderr}"));
+    assert!(
+        warning.starts_with(&format!(
+            "warning: {}: [intercept] decrypts 127.0.0.1 (port 443, 80) only on ports \
+             [proxy] connect_ports does not allow (8443)",
+            blind.display()
+        )),
+        "{warning}"
+    );
+
+    let seen = write_file(dir.path(), "seen.toml", &text("443, 8443"));
+    let (code, _, stderr) = tollgate(&["check-config".as_ref(), seen.as_os_str()]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(!stderr.contains("warning:"), "{stderr}");
+}
