@@ -75,7 +75,7 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
         (&Method::GET, "/metrics") => (
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            proxy.metrics().encode(),
+            metrics(proxy),
         ),
         (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".to_string()),
         (&Method::GET, "/readyz") if proxy.shutdown().draining() => (
@@ -120,6 +120,16 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
         header::HeaderValue::from_static(content_type),
     );
     resp
+}
+
+/// The `/metrics` text. The pace in force moves with the clock (a pause ends, a probe
+/// times out) as well as with answers, so it is read from each group as it is scraped.
+fn metrics(proxy: &Proxy) -> String {
+    for group in proxy.limits().groups() {
+        let pace = group.status().pace_in_force_per_second;
+        group.metrics.pace_in_force.set(pace);
+    }
+    proxy.metrics().encode()
 }
 
 /// The `/status` document: the backend, and each group's snapshot with its configured

@@ -85,6 +85,7 @@ pub struct Metrics {
     upstream_duration: HistogramFamily,
     upstream_errors: Family<KindLabels, Counter>,
     learned: Family<GroupLabel, RateGauge>,
+    in_force: Family<GroupLabel, RateGauge>,
     tokens: Family<KindLabels, Counter>,
     settings: settings::Families,
 }
@@ -128,23 +129,26 @@ pub struct GroupMetrics {
     /// Upstream answers by status, latency and failures.
     pub upstream: Arc<UpstreamMetrics>,
     /// The pace learned from the upstream's refusals (docs/budget.md).
-    pub learned_pace: LearnedPace,
+    pub learned_pace: RateSeries,
+    /// The rate the group keeps to now, whatever holds it (set when `/metrics` is read).
+    pub pace_in_force: RateSeries,
     /// The tokens its upstream reported used.
     pub tokens: TokenMetrics,
     /// What the group is configured to allow.
     pub settings: settings::SettingsMetrics,
 }
 
-/// `tollgate_learned_pace` of one group: a series only while the group keeps a pace,
-/// so that no group reads as "learned 0".
+/// A rate of one group (`tollgate_learned_pace`, `tollgate_pace_in_force`): a series
+/// only while the group has one, so that no group reads as "learned 0" and an
+/// unlimited one does not read as "0 per second".
 #[derive(Debug, Clone)]
-pub struct LearnedPace {
+pub struct RateSeries {
     family: Family<GroupLabel, RateGauge>,
     label: GroupLabel,
 }
 
-impl LearnedPace {
-    /// The group keeps to `pace` requests per second (`None`: no learned pace).
+impl RateSeries {
+    /// The group keeps to `pace` requests per second (`None`: no such rate).
     pub fn set(&self, pace: Option<f64>) {
         match pace {
             Some(pace) => _ = self.family.get_or_create(&self.label).set(pace),
@@ -332,6 +336,11 @@ const LEARNED: Series = (
     "Requests per second the group keeps to, learned from the upstream's refusals",
 );
 
+const IN_FORCE: Series = (
+    "tollgate_pace_in_force",
+    "Requests per second the group keeps to now (0 while paused); none when unlimited",
+);
+
 /// `metric`, registered in `registry` as `series`.
 fn registered<M: Metric + Clone>(registry: &mut Registry, series: Series, metric: M) -> M {
     registry.register(series.0, series.1, metric.clone());
@@ -375,6 +384,7 @@ impl Metrics {
         let config_reload_failures = registered(r, CONFIG_RELOAD_FAILURES, Counter::default());
         let client_connections = registered(r, CLIENT_CONNECTIONS, Gauge::default());
         let learned = registered(r, LEARNED, Family::default());
+        let in_force = registered(r, IN_FORCE, Family::default());
         let tokens = registered(r, TOKENS, Family::default());
         let credential_checks = registered(r, CREDENTIAL_CHECKS, Counter::default());
         let refusals = registered(r, REFUSALS, Family::default());
@@ -390,6 +400,7 @@ impl Metrics {
             upstream_errors,
             registry: Mutex::new(registry),
             learned,
+            in_force,
             tokens,
             queue_depth,
             in_flight,
@@ -447,8 +458,12 @@ impl Metrics {
                 errors: self.upstream_errors.clone(),
                 seen: Mutex::default(),
             }),
-            learned_pace: LearnedPace {
+            learned_pace: RateSeries {
                 family: self.learned.clone(),
+                label: label.clone(),
+            },
+            pace_in_force: RateSeries {
+                family: self.in_force.clone(),
                 label: label.clone(),
             },
             tokens: TokenMetrics {
@@ -474,6 +489,7 @@ impl Metrics {
         self.retries.remove(&label);
         self.passed_through.remove(&label);
         self.learned.remove(&label);
+        self.in_force.remove(&label);
         self.settings.forget(&label);
         for outcome in OUTCOMES {
             self.requests.remove(&OutcomeLabels {

@@ -112,6 +112,12 @@ async fn dashboard_shows_the_tokens_of_a_group_that_counts_them() {
         (Some(12), Some(34))
     );
     assert_eq!(tokens["buckets"][0]["capacity"], 6000);
+    // No request rate holds it: no pace in force, and no series that reads as 0.
+    let llm = &status["groups"][0];
+    assert_eq!(llm["pace_in_force_per_second"], serde_json::Value::Null);
+    assert_eq!(llm["pace_reason"], "no request rate: tokens hold it");
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(!metrics.contains("tollgate_pace_in_force{"), "{metrics}");
 
     let url = format!("http://{}/", proxy.admin.unwrap());
     let dom = headless(&url, &["--dump-dom"]).await;
@@ -162,6 +168,7 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
     let slow = &status["groups"][0];
     assert_eq!(slow["name"], "slow");
     assert_eq!(slow["counters"]["admitted"], 1);
+    assert_eq!(slow["pace_reason"], "configured rate");
     assert_eq!(slow["queued"], 3);
     assert_eq!(slow["concurrency"], 4);
     assert_eq!(status["backend"]["kind"], "memory");
@@ -179,6 +186,7 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
     assert_eq!(field(section, "in_flight"), "0");
     assert_eq!(field(section, "admitted"), "1");
     assert_eq!(field(section, "rate"), "1/min");
+    assert_eq!(field(section, "pace_reason"), "configured rate");
     assert!(field(section, "pushbacks").starts_with("0 pauses"));
 
     let png = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
@@ -230,6 +238,18 @@ async fn dashboard_shows_a_pause_in_a_browser() {
         pushy["paused_for_seconds"].as_f64().unwrap() > 500.0,
         "{status}"
     );
+    // Paused, it keeps to nothing: 0, and the reason says for how long.
+    assert_eq!(pushy["pace_in_force_per_second"], 0.0, "{status}");
+    let reason = pushy["pace_reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("paused by the upstream for "),
+        "{reason}"
+    );
+    let metrics = admin_get(&proxy, "/metrics").await;
+    assert!(
+        metrics.contains("tollgate_pace_in_force{group=\"pushy\"} 0.0"),
+        "{metrics}"
+    );
 
     let dom = headless(
         &format!("http://{}/", proxy.admin.unwrap()),
@@ -255,8 +275,83 @@ async fn dashboard_shows_a_pause_in_a_browser() {
         "{section}"
     );
     assert!(field(section, "pushbacks").starts_with("1 pauses"));
+    assert_eq!(field(section, "rate"), "0/s");
+    let reason = field(section, "pace_reason");
+    assert!(
+        reason.starts_with("paused by the upstream for "),
+        "{reason}"
+    );
     assert_eq!(answered.load(std::sync::atomic::Ordering::SeqCst), 1);
     request.abort();
+    proxy.shutdown().await;
+}
+
+/// How the page shows a rate of at least 1 per second (dashboard.html's `num`).
+fn shown_per_second(x: f64) -> String {
+    if (x - x.round()).abs() < 1e-9 * x {
+        format!("{}/s", x.round())
+    } else if x >= 100.0 {
+        format!("{x:.0}/s")
+    } else if x >= 10.0 {
+        format!("{x:.1}/s")
+    } else {
+        format!("{x:.2}/s")
+    }
+}
+
+/// A group configured at 20/s whose upstream refused its first request keeps to the
+/// pace it learned: `/status`, `/metrics` and the page show that pace and why, not
+/// the configured rate.
+#[tokio::test]
+async fn dashboard_shows_the_learned_pace_in_force_not_the_configured_rate() {
+    let answered = std::sync::atomic::AtomicUsize::new(0);
+    let upstream = Upstream::start(move |_| {
+        match answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => Reply::status(429),
+            _ => Reply::ok("ok"),
+        }
+    })
+    .await;
+    let proxy = start_proxy_with_admin(
+        r#"
+        [[limit]]
+        name = "api"
+        hosts = ["127.0.0.1"]
+        rate = "20/s"
+        retry_statuses = [429]
+        "#,
+    )
+    .await;
+    let reply = reqwest_via(&proxy, None).get(upstream.url("/")).send();
+    assert_eq!(reply.await.unwrap().status(), 200);
+    let status: serde_json::Value =
+        serde_json::from_str(&admin_get(&proxy, "/status").await).unwrap();
+    let api = &status["groups"][0];
+    assert_eq!(api["phase"], "paced", "{api}");
+    let learned = api["pace_per_second"].as_f64().unwrap();
+    assert!((1.0..20.0).contains(&learned), "{api}");
+    assert_eq!(api["pace_in_force_per_second"].as_f64(), Some(learned));
+    assert_eq!(api["pace_reason"], "learned from refusals", "{api}");
+    let metrics = admin_get(&proxy, "/metrics").await;
+    let exported = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tollgate_pace_in_force{group=\"api\"} "))
+        .unwrap_or_else(|| panic!("no pace in force:\n{metrics}"));
+    assert_eq!(exported.parse::<f64>().ok(), Some(learned), "{metrics}");
+
+    let dom = headless(
+        &format!("http://{}/", proxy.admin.unwrap()),
+        &["--dump-dom"],
+    )
+    .await;
+    let section = group_section(&dom, "api");
+    assert_eq!(
+        field(section, "rate"),
+        shown_per_second(learned),
+        "{section}"
+    );
+    assert_eq!(field(section, "pace_reason"), "learned from refusals");
+    assert!(section.contains("(configured 20/s)"), "{section}");
     proxy.shutdown().await;
 }
 

@@ -24,9 +24,7 @@ mod window;
 use crate::ratelimit_headers::Announcement;
 pub use pace::{Held, Pace};
 use probe::Probe;
-#[cfg(test)]
-pub(crate) use status::Phase;
-pub use status::Status;
+pub use status::{Phase, Status};
 use window::{Log, Window};
 
 /// Every parameter of the model, with its default: docs/budget.md says why each is so.

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
-use super::super::budget;
+use super::super::budget::{self, Phase};
 use super::super::tokens::TokenStatus;
 use super::Group;
 
@@ -21,6 +21,10 @@ pub struct GroupStatus {
     pub paused_for_seconds: Option<f64>,
     /// The configured rates, in requests per second; empty when the group has none.
     pub effective_rates_per_second: Vec<f64>,
+    /// The rate the group keeps to now, per second ([`pace_in_force`]).
+    pub pace_in_force_per_second: Option<f64>,
+    /// Why that rate, in plain words.
+    pub pace_reason: String,
     /// What the group learned of its upstream's budget (docs/budget.md).
     #[serde(flatten)]
     pub budget: budget::Status,
@@ -29,18 +33,66 @@ pub struct GroupStatus {
     pub tokens: Option<TokenStatus>,
 }
 
+/// The rate a group keeps to now, in requests per second, and why: `None` when no
+/// request rate holds it (a group that counts `tokens` may still wait for them). A
+/// pause holds it at 0; else the learned pace, the announced window's quota per
+/// window, the slowest configured rate, whichever the budget model has, and a
+/// configured rate still wins where it is slower (it is never exceeded).
+///
+/// One function, so that `/status`, the dashboard and `tollgate_pace_in_force` cannot
+/// disagree: the configured rate alone reads wrong once the group learned a slower one.
+pub fn pace_in_force(
+    paused_for: Option<f64>,
+    budget: &budget::Status,
+    configured: &[f64],
+    tokens: bool,
+) -> (Option<f64>, String) {
+    if let Some(seconds) = paused_for {
+        return (
+            Some(0.0),
+            format!("paused by the upstream for {seconds:.1} s"),
+        );
+    }
+    let slowest = configured.iter().copied().reduce(f64::min);
+    let window = match (budget.window_quota, budget.window_seconds) {
+        (Some(quota), Some(seconds)) if seconds > 0.0 => Some(quota as f64 / seconds),
+        _ => None,
+    };
+    let learned = budget
+        .pace_per_second
+        .map(|p| (p, "learned from refusals"))
+        .or(window.map(|w| (w, "announced window (RateLimit-Policy / X-RateLimit-*)")));
+    match (learned, slowest) {
+        (Some((pace, why)), Some(rate)) if pace < rate => (Some(pace), why.to_string()),
+        (Some((pace, why)), None) => (Some(pace), why.to_string()),
+        (_, Some(rate)) => (Some(rate), "configured rate".to_string()),
+        (None, None) if tokens => (None, "no request rate: tokens hold it".to_string()),
+        (None, None) if budget.phase == Phase::Probing => {
+            (None, "probing: told no rate".to_string())
+        }
+        (None, None) => (None, "unlimited".to_string()),
+    }
+}
+
 impl Group {
     /// A snapshot for `/status`.
     pub fn status(&self) -> GroupStatus {
         let state = self.lock();
         let now = Instant::now();
+        let paused_for = state.pause.until(now).map(|p| (p - now).as_secs_f64());
+        let configured = state.rates.per_second();
+        let budget = state.budget.status(now);
+        let tokens = state.tokens.is_some();
+        let (pace, reason) = pace_in_force(paused_for, &budget, &configured, tokens);
         GroupStatus {
             name: self.name.to_string(),
             queued: state.queue.len(),
             in_flight: self.in_flight.load(Ordering::Relaxed),
-            paused_for_seconds: state.pause.until(now).map(|p| (p - now).as_secs_f64()),
-            effective_rates_per_second: state.rates.per_second(),
-            budget: state.budget.status(now),
+            paused_for_seconds: paused_for,
+            effective_rates_per_second: configured,
+            pace_in_force_per_second: pace,
+            pace_reason: reason,
+            budget,
             tokens: state.tokens.as_ref().map(|t| t.status(now)),
         }
     }
@@ -56,5 +108,79 @@ impl Group {
             && state.pause.until(now).is_none()
             && state.rates.is_idle(now)
             && state.tokens.as_ref().is_none_or(|t| t.is_idle(now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::budget::Params;
+
+    /// A budget in `phase`, with a learned `pace` and an announced `window`.
+    fn budget(phase: Phase, pace: Option<f64>, window: Option<(u64, f64)>) -> budget::Status {
+        budget::Status {
+            phase,
+            pace_per_second: pace,
+            ceiling_per_second: None,
+            window_quota: window.map(|(q, _)| q),
+            window_seconds: window.map(|(_, w)| w),
+            remaining: None,
+            params: Params::default(),
+        }
+    }
+
+    #[test]
+    fn the_pace_in_force_and_why() {
+        const WINDOW: &str = "announced window (RateLimit-Policy / X-RateLimit-*)";
+        const LEARNED: &str = "learned from refusals";
+        const CONFIGURED: &str = "configured rate";
+        let open = budget(Phase::Open, None, None);
+        let paced = |p| budget(Phase::Paced, Some(p), None);
+        let windowed = |q, w| budget(Phase::Windowed, None, Some((q, w)));
+        let both = budget(Phase::WindowedPaced, Some(0.5), Some((60, 60.0)));
+        let probing = budget(Phase::Probing, None, None);
+        // Paused for; the budget; the configured rates; the pace in force and why.
+        type Case<'a> = (
+            Option<f64>,
+            &'a budget::Status,
+            &'a [f64],
+            Option<f64>,
+            &'a str,
+        );
+        let cases: [Case; 11] = [
+            (None, &open, &[2.0], Some(2.0), CONFIGURED),
+            (None, &open, &[5.0, 0.5], Some(0.5), CONFIGURED),
+            (None, &paced(0.98), &[2.0], Some(0.98), LEARNED),
+            (None, &paced(1.5), &[], Some(1.5), LEARNED),
+            // A configured rate is never exceeded, so a slower one holds.
+            (None, &paced(3.0), &[2.0], Some(2.0), CONFIGURED),
+            (None, &windowed(60, 60.0), &[], Some(1.0), WINDOW),
+            (None, &windowed(600, 60.0), &[2.0], Some(2.0), CONFIGURED),
+            // Refused within its window: the pace decides.
+            (None, &both, &[], Some(0.5), LEARNED),
+            (None, &probing, &[], None, "probing: told no rate"),
+            (None, &open, &[], None, "unlimited"),
+            (
+                Some(3.24),
+                &paced(0.98),
+                &[2.0],
+                Some(0.0),
+                "paused by the upstream for 3.2 s",
+            ),
+        ];
+        for (paused, status, configured, rate, why) in cases {
+            assert_eq!(
+                pace_in_force(paused, status, configured, false),
+                (rate, why.to_string()),
+                "{paused:?} {status:?} {configured:?}"
+            );
+        }
+        // A group that counts tokens: they hold it when no request rate does.
+        let tokens = |status, configured| pace_in_force(None, status, configured, true);
+        let no_rate = (None, "no request rate: tokens hold it".to_string());
+        assert_eq!(tokens(&open, &[]), no_rate);
+        assert_eq!(tokens(&probing, &[]), no_rate);
+        assert_eq!(tokens(&open, &[2.0]), (Some(2.0), CONFIGURED.to_string()));
+        assert_eq!(tokens(&paced(0.5), &[]), (Some(0.5), LEARNED.to_string()));
     }
 }
