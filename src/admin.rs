@@ -164,7 +164,8 @@ fn group_status(group: &Group, history: &History) -> serde_json::Value {
         "departures_per_second": history.per_second(&group.name),
         "upstream_statuses": metrics.upstream.statuses(),
         "counters": {
-            "admitted": metrics.admitted.get(),
+            "requests_admitted": metrics.requests_admitted.get(),
+            "departures": metrics.admitted.get(),
             "queue_full": metrics.queue_full.get(),
             "max_wait": metrics.max_wait.get(),
             "cancelled": metrics.cancelled.get(),

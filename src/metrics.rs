@@ -106,8 +106,11 @@ pub struct GroupMetrics {
     pub queue_depth: Gauge,
     /// Requests holding a concurrency permit.
     pub in_flight: Gauge,
-    /// Requests that left the queue for the upstream.
+    /// Requests that left the queue for the upstream: departures, retries included.
     pub admitted: Counter,
+    /// Clients' requests that left for the upstream the first time (retries not
+    /// counted again); `/status` only, beside the departures.
+    pub requests_admitted: Counter,
     /// Requests refused because the queue was full.
     pub queue_full: Counter,
     /// Requests refused after waiting `max_wait`.
@@ -442,6 +445,7 @@ impl Metrics {
             queue_depth: self.queue_depth.get_or_create(&label).clone(),
             in_flight: self.in_flight.get_or_create(&label).clone(),
             admitted: outcome(OUTCOMES[0]),
+            requests_admitted: Counter::default(),
             queue_full: outcome(OUTCOMES[1]),
             max_wait: outcome(OUTCOMES[2]),
             cancelled: outcome(OUTCOMES[3]),

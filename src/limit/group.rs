@@ -177,10 +177,7 @@ impl Group {
     ) -> Result<Permit, Refusal> {
         let cost = cost.into();
         if let Some(permit) = self.leave_at_once(cost) {
-            self.metrics.admitted.inc();
-            self.metrics
-                .queue_wait
-                .observe(arrived.elapsed().as_secs_f64());
+            self.count_departure(arrived, front);
             return Ok(permit);
         }
         // `max_wait` is a duration from the config: a value too large for the clock
@@ -201,10 +198,7 @@ impl Group {
         place.leave();
         match waited {
             Ok(Ok(permit)) => {
-                self.metrics.admitted.inc();
-                self.metrics
-                    .queue_wait
-                    .observe(arrived.elapsed().as_secs_f64());
+                self.count_departure(arrived, front);
                 Ok(permit)
             }
             Ok(Err(refusal)) => {

@@ -167,7 +167,8 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
         serde_json::from_str(&admin_get(&proxy, "/status").await).unwrap();
     let slow = &status["groups"][0];
     assert_eq!(slow["name"], "slow");
-    assert_eq!(slow["counters"]["admitted"], 1);
+    assert_eq!(slow["counters"]["departures"], 1);
+    assert_eq!(slow["counters"]["requests_admitted"], 1);
     assert_eq!(slow["pace_reason"], "configured rate");
     assert_eq!(slow["queued"], 3);
     assert_eq!(slow["concurrency"], 4);
@@ -184,7 +185,7 @@ async fn dashboard_shows_a_group_with_traffic_in_a_browser() {
     let section = group_section(&dom, "slow");
     assert_eq!(field(section, "queued"), "3");
     assert_eq!(field(section, "in_flight"), "0");
-    assert_eq!(field(section, "admitted"), "1");
+    assert_eq!(field(section, "departures"), "1");
     assert_eq!(field(section, "rate"), "1/min");
     assert_eq!(field(section, "pace_reason"), "configured rate");
     assert!(field(section, "pushbacks").starts_with("0 pauses"));
@@ -301,7 +302,7 @@ fn shown_per_second(x: f64) -> String {
 
 /// A group configured at 20/s whose upstream refused its first request keeps to the
 /// pace it learned: `/status`, `/metrics` and the page show that pace and why, not
-/// the configured rate.
+/// the configured rate; and the replay counts as a second departure of one request.
 #[tokio::test]
 async fn dashboard_shows_the_learned_pace_in_force_not_the_configured_rate() {
     let answered = std::sync::atomic::AtomicUsize::new(0);
@@ -332,6 +333,8 @@ async fn dashboard_shows_the_learned_pace_in_force_not_the_configured_rate() {
     assert!((1.0..20.0).contains(&learned), "{api}");
     assert_eq!(api["pace_in_force_per_second"].as_f64(), Some(learned));
     assert_eq!(api["pace_reason"], "learned from refusals", "{api}");
+    assert_eq!(api["counters"]["departures"], 2, "{api}");
+    assert_eq!(api["counters"]["requests_admitted"], 1, "{api}");
     let metrics = admin_get(&proxy, "/metrics").await;
     let exported = metrics
         .lines()
@@ -352,6 +355,7 @@ async fn dashboard_shows_the_learned_pace_in_force_not_the_configured_rate() {
     );
     assert_eq!(field(section, "pace_reason"), "learned from refusals");
     assert!(section.contains("(configured 20/s)"), "{section}");
+    assert_eq!(field(section, "departures"), "2");
     proxy.shutdown().await;
 }
 

@@ -122,7 +122,8 @@ async fn the_admin_endpoints_listen_only_with_admin_listen() {
         "{metrics}"
     );
     let status = group_status(&with, "127.0.0.1").await;
-    assert_eq!(status["counters"]["admitted"], 1, "{status}");
+    assert_eq!(status["counters"]["departures"], 1, "{status}");
+    assert_eq!(status["counters"]["requests_admitted"], 1, "{status}");
     // The proxy port does not serve the admin endpoints.
     let on_proxy = reqwest_direct()
         .get(format!("{}/metrics", with.url()))

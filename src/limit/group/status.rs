@@ -97,6 +97,19 @@ impl Group {
         }
     }
 
+    /// Counts a request that leaves for the upstream after arriving at `arrived`: a
+    /// departure, and a client's request admitted unless it is a `retry` (a client's
+    /// request may depart more than once, so the two counts differ).
+    pub(super) fn count_departure(&self, arrived: Instant, retry: bool) {
+        self.metrics.admitted.inc();
+        if !retry {
+            self.metrics.requests_admitted.inc();
+        }
+        self.metrics
+            .queue_wait
+            .observe(arrived.elapsed().as_secs_f64());
+    }
+
     /// Whether the group holds no state worth keeping: nothing queued, in flight or
     /// paused, and its rates back to idle. An idle group can be dropped and rebuilt
     /// later without any request noticing.
