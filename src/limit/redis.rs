@@ -168,6 +168,8 @@ pub struct Redis {
     up_gauge: Gauge,
     /// Seconds on the local fallback, counted when Redis answers again.
     fallback: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// Calls that failed or timed out, each one (the fallback begins at the first).
+    errors: Counter,
     /// When the store went down, while it is.
     down_since: Mutex<Option<tokio::time::Instant>>,
     /// The first key of the last call that failed: the probe asks the node that holds
@@ -199,6 +201,7 @@ impl Redis {
         let up_gauge = Gauge::default();
         up_gauge.set(1);
         let fallback = Counter::<f64, std::sync::atomic::AtomicU64>::default();
+        let errors = Counter::default();
         metrics.register(|registry| {
             registry.register(
                 "tollgate_backend_up",
@@ -209,6 +212,11 @@ impl Redis {
                 "tollgate_backend_fallback_seconds",
                 "Time spent on local limits while the shared limit store (Redis) did not answer, counted when it answers again",
                 fallback.clone(),
+            );
+            registry.register(
+                "tollgate_backend_errors",
+                "Calls to the shared limit store (Redis) that failed or got no answer in time",
+                errors.clone(),
             );
         });
         Ok(Arc::new(Redis {
@@ -221,6 +229,7 @@ impl Redis {
             up: AtomicBool::new(true),
             up_gauge,
             fallback,
+            errors,
             down_since: Mutex::new(None),
             failed_key: Mutex::new(format!("{}replicas", config.key_prefix)),
             id: replica_id(),
@@ -408,6 +417,7 @@ impl Redis {
     }
 
     fn failed(&self, error: &str) {
+        self.errors.inc();
         if self.up.swap(false, Ordering::Relaxed) {
             self.up_gauge.set(0);
             *self.down_since.lock().unwrap_or_else(|p| p.into_inner()) =

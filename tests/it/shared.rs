@@ -174,6 +174,9 @@ async fn redis_down_falls_back_to_a_local_share_and_comes_back() {
     assert_paced(&arrivals(&upstream), Duration::from_millis(200), 1);
     let metrics = admin_get(&proxy, "/metrics").await;
     assert!(metrics.contains("tollgate_backend_up 0"), "{metrics}");
+    // The call that failed is counted, and each one after it that tried Redis.
+    let errors = metric_value(&metrics, "tollgate_backend_errors_total");
+    assert!(errors.is_some_and(|n| n >= 1.0), "{metrics}");
 
     redis.restart().await;
     // tollgate notices that Redis came back.
@@ -559,6 +562,11 @@ async fn a_node_that_lost_the_scripts_is_sent_them_whole() {
         metric_value(&metrics, "tollgate_backend_fallback_seconds_total"),
         Some(0.0),
         "{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, "tollgate_backend_errors_total"),
+        Some(0.0),
+        "NOSCRIPT is not an error: {metrics}"
     );
     // Each round's booking was sent whole once, after its NOSCRIPT.
     let stats: String = redis::cmd("INFO")
