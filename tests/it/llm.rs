@@ -16,6 +16,18 @@ use crate::support::*;
 const CALLS: usize = 40;
 const CLIENTS: usize = 20;
 
+/// The upstream's limits: 8 000 tokens when full, full again after 2 s (the forty calls
+/// ask for about 40 000); Anthropic's, 6 000 input and 4 000 output.
+const OPENAI_LIMITS: [&str; 4] = ["--tokens", "8000", "--period", "2"];
+const ANTHROPIC_LIMITS: [&str; 6] = [
+    "--input-tokens",
+    "6000",
+    "--output-tokens",
+    "4000",
+    "--period",
+    "2",
+];
+
 /// What the upstream said of a run.
 #[derive(serde::Deserialize, Debug)]
 struct Stats {
@@ -156,6 +168,23 @@ async fn upstream_stats(upstream: &External) -> Stats {
     serde_json::from_str(&stats.text()).unwrap_or_else(|e| panic!("{e}: {}", stats.stderr))
 }
 
+/// The OpenAI-like upstream at [`OPENAI_LIMITS`], plain HTTP.
+fn openai_upstream() -> External {
+    let mut args = vec!["-I", "tests/upstreams/llm-upstream.py", "openai"];
+    args.extend_from_slice(&OPENAI_LIMITS);
+    External::start("python3", &args)
+}
+
+/// A config that routes `/llm/` to `upstream`, its group `llm` told `told`.
+fn routed(upstream: &External, told: &str) -> String {
+    format!(
+        "[[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n\
+         [[limit]]\nname = \"llm\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"120s\"\n\
+         {told}\n{ADMIN_ON_PORT_0}",
+        upstream.url("/")
+    )
+}
+
 /// Every call succeeded, the upstream refused at most one in forty (a loaded machine
 /// may let one request meet the bucket's edge; without token budgets the first round
 /// alone is refused by the dozen), and tollgate read the same usage as the upstream
@@ -192,7 +221,7 @@ fn check(calls: &Calls, stats: &Stats, group: &serde_json::Value) {
 #[tokio::test]
 async fn openai_sdk_told_nothing_keeps_the_announced_token_budget() {
     // 8 000 tokens when full, 4 000 a second: the forty calls ask for about 40 000.
-    let limits = ["--tokens", "8000", "--period", "2"];
+    let limits = OPENAI_LIMITS;
     let (calls, stats, group, log) = run("openai", &limits, "llm = \"openai\"", Via::Route).await;
     check(&calls, &stats, &group);
     let buckets = &group["tokens"]["buckets"];
@@ -219,14 +248,7 @@ async fn openai_sdk_told_nothing_keeps_the_announced_token_budget() {
 
 #[tokio::test]
 async fn anthropic_sdk_told_input_and_output_rates_keeps_both() {
-    let limits = [
-        "--input-tokens",
-        "6000",
-        "--output-tokens",
-        "4000",
-        "--period",
-        "2",
-    ];
+    let limits = ANTHROPIC_LIMITS;
     let told = "input_tokens = \"6000/2s\"\noutput_tokens = \"4000/2s\"";
     let (calls, stats, group, _) = run("anthropic", &limits, told, Via::Route).await;
     check(&calls, &stats, &group);
@@ -242,7 +264,7 @@ async fn anthropic_sdk_told_input_and_output_rates_keeps_both() {
 
 #[tokio::test]
 async fn sdks_through_https_proxy_with_interception_keep_the_token_budget() {
-    let limits = ["--tokens", "8000", "--period", "2"];
+    let limits = OPENAI_LIMITS;
     let told = "tokens = \"8000/2s\"";
     let (calls, stats, group, log) = run("openai", &limits, told, Via::Intercept).await;
     check(&calls, &stats, &group);
@@ -254,14 +276,7 @@ async fn sdks_through_https_proxy_with_interception_keep_the_token_budget() {
         intercepted, CALLS,
         "each call's line, inside the tunnel: {log}"
     );
-    let limits = [
-        "--input-tokens",
-        "6000",
-        "--output-tokens",
-        "4000",
-        "--period",
-        "2",
-    ];
+    let limits = ANTHROPIC_LIMITS;
     let told = "llm = \"anthropic\"";
     let (calls, stats, group, _) = run("anthropic", &limits, told, Via::Intercept).await;
     check(&calls, &stats, &group);
@@ -272,24 +287,12 @@ async fn sdks_through_https_proxy_with_interception_keep_the_token_budget() {
 #[tokio::test]
 async fn three_replicas_on_redis_keep_one_token_budget() {
     let redis = RedisServer::start().await;
-    let args = [
-        "-I",
-        "tests/upstreams/llm-upstream.py",
-        "openai",
-        "--tokens",
-        "8000",
-        "--period",
-        "2",
-    ];
-    let upstream = External::start("python3", &args);
-    let config = format!(
-        "[backend]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"300ms\"\n\
-         [[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n\
-         [[limit]]\nname = \"llm\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"120s\"\n\
-         tokens = \"8000/2s\"\n{ADMIN_ON_PORT_0}",
-        redis.url(),
-        upstream.url("/"),
+    let upstream = openai_upstream();
+    let backend = format!(
+        "[backend]\nkind = \"redis\"\nurl = {:?}\ntimeout = \"300ms\"\n",
+        redis.url()
     );
+    let config = backend + &routed(&upstream, "tokens = \"8000/2s\"");
     let mut replicas = Vec::new();
     for _ in 0..3 {
         replicas.push(Tollgate::start(&config).await);
@@ -327,22 +330,8 @@ async fn three_replicas_on_redis_keep_one_token_budget() {
 /// Node's `openai` package (fetch, streams) through a route, told nothing.
 #[tokio::test]
 async fn node_openai_package_through_a_route_keeps_the_token_budget() {
-    let args = [
-        "-I",
-        "tests/upstreams/llm-upstream.py",
-        "openai",
-        "--tokens",
-        "8000",
-        "--period",
-        "2",
-    ];
-    let upstream = External::start("python3", &args);
-    let config = format!(
-        "[[route]]\nprefix = \"/llm/\"\nupstream = \"{}\"\n\
-         [[limit]]\nname = \"llm\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"120s\"\n\
-         llm = \"openai\"\n{ADMIN_ON_PORT_0}",
-        upstream.url("/"),
-    );
+    let upstream = openai_upstream();
+    let config = routed(&upstream, "llm = \"openai\"");
     let proxy = Tollgate::start(&config).await;
     let mut cmd = clean_command("node", &[]);
     let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
