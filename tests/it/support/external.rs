@@ -146,7 +146,19 @@ impl External {
 }
 
 impl Drop for External {
+    /// Asks the program to stop (SIGTERM) and waits a little before killing it: nginx's
+    /// master stops its workers on SIGTERM, while SIGKILL would leave them running.
     fn drop(&mut self) {
+        let pid = self.child.id().to_string();
+        let asked = Command::new("kill").args(["-TERM", &pid]).status();
+        if asked.is_ok_and(|s| s.success()) {
+            for _ in 0..100 {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
