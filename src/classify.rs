@@ -38,6 +38,8 @@ pub struct Inside {
     pub port: u16,
     /// `https` when the client spoke TLS inside, `http` when plain HTTP.
     pub scheme: Scheme,
+    /// The proxy user who opened the tunnel.
+    pub user: Option<String>,
 }
 
 /// Where a request is going, decided once.
@@ -485,6 +487,7 @@ mod tests {
             host: "api.example.com".into(),
             port,
             scheme,
+            user: None,
         };
         let https = inside(443, Scheme::HTTPS);
         let odd_port = inside(8443, Scheme::HTTPS);

@@ -226,6 +226,7 @@ impl Client {
             host,
             port,
             keep,
+            user,
         } = tunnel;
         // The outer HTTP/2 stream stays open while the tunnel is.
         self.keep = keep;
@@ -246,7 +247,12 @@ impl Client {
             return;
         };
         let scheme = accepted.scheme;
-        self.inside = Some(Arc::new(Inside { host, port, scheme }));
+        self.inside = Some(Arc::new(Inside {
+            host,
+            port,
+            scheme,
+            user,
+        }));
         // Its heads have their own budget, from the start, and its end is the tunnel's.
         self.first_byte = None;
         self.sending = None;

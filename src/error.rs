@@ -130,6 +130,26 @@ pub enum ProxyError {
         /// An estimate of when a request could get through.
         retry_after: Duration,
     },
+    /// The request's flow already had `flow_queue` requests waiting in its group.
+    #[error("queue full for this flow: group {group} already has {flow_queue} requests of its fair_by value waiting (flow_queue)")]
+    FlowQueueFull {
+        /// The group's name.
+        group: String,
+        /// The group's `flow_queue` bound.
+        flow_queue: usize,
+        /// An estimate of when a request of the flow could get through.
+        retry_after: Duration,
+    },
+    /// The request's key would have been one more than the group's `max_keys`.
+    #[error("group {group} already keeps a budget for each of {max_keys} keys (max_keys): a new key gets one when another has been idle for key_idle")]
+    TooManyKeys {
+        /// The group's name.
+        group: String,
+        /// The group's `max_keys` bound.
+        max_keys: usize,
+        /// The group's `key_idle`, after which an idle key's budget is dropped.
+        key_idle: Duration,
+    },
     /// The request waited the group's `max_wait` without getting through.
     #[error("waited {} in the queue of group {group} (max_wait) without getting through", humantime::format_duration(*.waited))]
     QueueTimeout {
@@ -221,6 +241,8 @@ impl ProxyError {
             TlsCertificate { .. } | Tls { .. } | Upstream { .. } => StatusCode::BAD_GATEWAY,
             ConnectTimeout { .. } | ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             QueueFull { .. }
+            | FlowQueueFull { .. }
+            | TooManyKeys { .. }
             | QueueTimeout { .. }
             | WaitTooLong { .. }
             | BackendDown { .. }
@@ -249,7 +271,11 @@ impl ProxyError {
             Upstream { .. } => "http_protocol_error",
             // RFC 9209 has no queue types: the request was denied by tollgate's own
             // policy, and `details` says which bound.
-            QueueFull { .. } | QueueTimeout { .. } | WaitTooLong { .. } => "http_request_denied",
+            QueueFull { .. }
+            | FlowQueueFull { .. }
+            | TooManyKeys { .. }
+            | QueueTimeout { .. }
+            | WaitTooLong { .. } => "http_request_denied",
             BackendDown { .. } | ShuttingDown => "proxy_internal_error",
         }
     }
@@ -262,6 +288,16 @@ impl ProxyError {
                 group: name,
                 queue: group.settings().queue,
                 retry_after,
+            },
+            crate::limit::Refusal::FlowQueueFull { retry_after } => ProxyError::FlowQueueFull {
+                flow_queue: (group.settings().keys.flow_queue).unwrap_or(group.settings().queue),
+                group: name,
+                retry_after,
+            },
+            crate::limit::Refusal::TooManyKeys => ProxyError::TooManyKeys {
+                group: name,
+                max_keys: group.settings().keys.max_keys,
+                key_idle: group.settings().keys.key_idle,
             },
             crate::limit::Refusal::BackendDown => ProxyError::BackendDown { group: name },
             crate::limit::Refusal::WaitTooLong { ahead } => ProxyError::WaitTooLong {
@@ -284,7 +320,10 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             ProxyError::QueueFull { retry_after, .. }
+            | ProxyError::FlowQueueFull { retry_after, .. }
             | ProxyError::QueueTimeout { retry_after, .. } => Some(*retry_after),
+            // A key's budget is dropped after `key_idle` without traffic, at the soonest.
+            ProxyError::TooManyKeys { key_idle, .. } => Some(*key_idle),
             ProxyError::WaitTooLong { ahead, .. } => Some(*ahead),
             // The probe looks twice a second; a second is an honest guess.
             ProxyError::BackendDown { .. } => Some(Duration::from_secs(1)),

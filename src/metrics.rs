@@ -146,17 +146,32 @@ pub struct GroupMetrics {
 /// unlimited one does not read as "0 per second".
 #[derive(Debug, Clone)]
 pub struct RateSeries {
-    family: Family<GroupLabel, RateGauge>,
+    /// `None` for the budget of one key: its group's series stays the group's own.
+    family: Option<Family<GroupLabel, RateGauge>>,
     label: GroupLabel,
 }
 
 impl RateSeries {
     /// The group keeps to `pace` requests per second (`None`: no such rate).
     pub fn set(&self, pace: Option<f64>) {
+        let Some(family) = &self.family else { return };
         match pace {
-            Some(pace) => _ = self.family.get_or_create(&self.label).set(pace),
-            None => _ = self.family.remove(&self.label),
+            Some(pace) => _ = family.get_or_create(&self.label).set(pace),
+            None => _ = family.remove(&self.label),
         }
+    }
+}
+
+impl GroupMetrics {
+    /// The handles of one key's budget in this group (docs/keys.md): its counts add
+    /// up in the group's series, so the series stay one per group however many keys
+    /// come; its paces, one per key, are shown by `/status` only.
+    pub fn for_key(&self) -> GroupMetrics {
+        let mut metrics = self.clone();
+        metrics.requests_admitted = Counter::default();
+        metrics.learned_pace.family = None;
+        metrics.pace_in_force.family = None;
+        metrics
     }
 }
 
@@ -463,11 +478,11 @@ impl Metrics {
                 seen: Mutex::default(),
             }),
             learned_pace: RateSeries {
-                family: self.learned.clone(),
+                family: Some(self.learned.clone()),
                 label: label.clone(),
             },
             pace_in_force: RateSeries {
-                family: self.in_force.clone(),
+                family: Some(self.in_force.clone()),
                 label: label.clone(),
             },
             tokens: TokenMetrics {

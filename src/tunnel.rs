@@ -30,17 +30,20 @@ pub struct Intercepted {
     pub port: u16,
     /// The CONNECT request's [`KeepWhileOpen`], if any.
     pub keep: Option<KeepWhileOpen>,
+    /// The proxy user who opened it: the user of every request inside.
+    pub user: Option<String>,
 }
 
 /// Answers a CONNECT to `target` with `200` and an [`Intercepted`] for the server.
 /// Nothing is dialled now: each request inside is, on its own.
-pub fn intercept(target: &Target, mut req: Request<Body>) -> Response<Body> {
+pub fn intercept(target: &Target, mut req: Request<Body>, user: Option<String>) -> Response<Body> {
     let mut resp = Response::new(body::empty());
     resp.extensions_mut().insert(Intercepted {
         on_upgrade: hyper::upgrade::on(&mut req),
         host: target.host.clone(),
         port: target.port,
         keep: req.extensions_mut().remove::<KeepWhileOpen>(),
+        user,
     });
     resp
 }

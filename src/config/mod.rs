@@ -22,6 +22,7 @@ use toml::Spanned;
 
 mod backend;
 mod external;
+mod keys;
 mod source;
 mod tables;
 mod tokens;
@@ -29,6 +30,7 @@ mod values;
 
 pub use backend::{BackendConfig, BackendKind, OnBackendError, RedisAt, RedisUrl};
 pub use external::{Place, Places};
+pub use keys::{KeySettings, KeySource};
 pub use source::Source;
 pub use tokens::TokenSettings;
 
@@ -232,6 +234,13 @@ struct RawSettings {
     output_tokens: Option<Rates>,
     llm: Option<crate::llm::Dialect>,
     max_output_tokens: Option<Spanned<u32>>,
+    key: Option<Spanned<KeySource>>,
+    key_idle: Option<Dur>,
+    max_keys: Option<Spanned<usize>>,
+    key_labels: Option<Spanned<std::collections::BTreeMap<String, String>>>,
+    fair_by: Option<Spanned<KeySource>>,
+    weights: Option<std::collections::BTreeMap<String, Spanned<u32>>>,
+    flow_queue: Option<Spanned<usize>>,
 }
 
 type Located = (Range<usize>, String);
@@ -280,7 +289,7 @@ fn retry_statuses(statuses: Vec<Spanned<StatusCode>>) -> Result<Vec<u16>, Locate
 
 impl RawSettings {
     /// These settings over `base`, checked.
-    fn resolve(self, base: &GroupSettings) -> Result<GroupSettings, Located> {
+    fn resolve(self, base: &GroupSettings, in_defaults: bool) -> Result<GroupSettings, Located> {
         for rule in &self.costs {
             if rule.get_ref().cost == 0 {
                 return Err((rule.span(), "cost must be at least 1".into()));
@@ -322,6 +331,16 @@ impl RawSettings {
         .resolve(&base.tokens)?;
         Ok(GroupSettings {
             tokens,
+            keys: keys::RawKeys {
+                key: self.key,
+                key_idle: self.key_idle,
+                max_keys: self.max_keys,
+                key_labels: self.key_labels,
+                fair_by: self.fair_by,
+                weights: self.weights,
+                flow_queue: self.flow_queue,
+            }
+            .resolve(&base.keys, in_defaults)?,
             rates,
             burst: within(self.burst, "burst", MAX_BURST, base.burst)?,
             concurrency: within(
@@ -365,7 +384,7 @@ impl RawConfig {
                 "name and hosts belong in a [[limit]], not in [defaults]".into(),
             ));
         }
-        let defaults = self.defaults.resolve(&GroupSettings::default())?;
+        let defaults = self.defaults.resolve(&GroupSettings::default(), true)?;
         let listen = self.proxy.listen;
         if let Some(admin) = self.admin.as_ref().filter(|a| a.get_ref().listen == listen) {
             return Err((
@@ -448,7 +467,7 @@ fn check_limits(
         limits.push(LimitGroup {
             name,
             hosts: group_hosts,
-            settings: settings.resolve(defaults)?,
+            settings: settings.resolve(defaults, false)?,
         });
     }
     Ok(limits)

@@ -137,6 +137,8 @@ pub struct GroupSettings {
     pub shared_concurrency: bool,
     /// Token budgets, for a group that calls an LLM API.
     pub tokens: super::TokenSettings,
+    /// Budgets per key, and fair queues within one.
+    pub keys: super::KeySettings,
 }
 
 impl Default for GroupSettings {
@@ -156,6 +158,7 @@ impl Default for GroupSettings {
             min_rate: None,
             shared_concurrency: false,
             tokens: super::TokenSettings::default(),
+            keys: super::KeySettings::default(),
         }
     }
 }

@@ -25,6 +25,7 @@ mod status;
 mod tokens;
 
 use super::budget::{Budget, Params};
+use super::fair::Flow;
 use super::pause::Pause;
 use super::permits::{Held, Permit, Permits};
 use super::queue::{Place, Queue};
@@ -42,6 +43,13 @@ pub enum Refusal {
         /// An estimate of when the queue will have room.
         retry_after: Duration,
     },
+    /// `flow_queue` requests of its flow were already waiting.
+    FlowQueueFull {
+        /// An estimate of when its flow will have room.
+        retry_after: Duration,
+    },
+    /// The request's key would be one more than `max_keys`.
+    TooManyKeys,
     /// The shared store is unreachable and `on_backend_error = "deny"`.
     BackendDown,
     /// The wait ahead of the request (the upstream's pause, the queue) already
@@ -67,7 +75,9 @@ pub struct Group {
     settings: arc_swap::ArcSwap<GroupSettings>,
     /// This group's metric handles (written here, never read back for a decision).
     pub metrics: GroupMetrics,
-    store: Store,
+    pub(super) store: Store,
+    /// The budgets of its keys, in a `[[limit]]` with `key` (docs/keys.md).
+    pub(super) keys: super::keys::Keys,
     permits: Permits,
     /// Requests holding a permit.
     in_flight: AtomicUsize,
@@ -105,6 +115,16 @@ impl Group {
         metrics: GroupMetrics,
         store: Store,
     ) -> Group {
+        Group::with_settings(name, Arc::new(settings), metrics, store)
+    }
+
+    /// [`Group::new`], sharing `settings` (the keys of one limit share its settings).
+    pub(super) fn with_settings(
+        name: Arc<str>,
+        settings: Arc<GroupSettings>,
+        metrics: GroupMetrics,
+        store: Store,
+    ) -> Group {
         let now = Instant::now();
         (metrics.settings).show(settings.queue, settings.max_wait, settings.slowest_rate());
         let leases = match &store {
@@ -131,9 +151,21 @@ impl Group {
                 fell_back: false,
             }),
             store,
-            settings: arc_swap::ArcSwap::from_pointee(settings),
+            keys: super::keys::Keys::new(now),
+            settings: arc_swap::ArcSwap::new(settings),
             metrics,
         }
+    }
+
+    /// The group of the key whose value has `id` ([`super::keys::id_of`]), in a
+    /// `[[limit]]` with `key`: made when first seen. Refused past `max_keys`.
+    pub fn keyed(self: &Arc<Self>, id: u64) -> Result<Arc<Group>, Refusal> {
+        self.keys.group(self, id)
+    }
+
+    /// The settings in force, to share.
+    pub(super) fn settings_arc(&self) -> Arc<GroupSettings> {
+        self.settings.load_full()
     }
 
     /// The settings in force.
@@ -145,6 +177,14 @@ impl Group {
     /// the pause and the permits held: the requests waiting leave at the new rate and
     /// concurrency.
     pub fn reconfigure(&self, settings: GroupSettings) {
+        let settings = Arc::new(settings);
+        for key in self.keys.groups() {
+            key.reconfigure_shared(settings.clone());
+        }
+        self.reconfigure_shared(settings);
+    }
+
+    fn reconfigure_shared(&self, settings: Arc<GroupSettings>) {
         let now = Instant::now();
         let mut state = self.lock();
         state.rates.reconfigure(&settings, now);
@@ -158,7 +198,7 @@ impl Group {
         }
         self.permits.resize(settings.concurrency);
         (self.metrics.settings).show(settings.queue, settings.max_wait, settings.slowest_rate());
-        self.settings.store(Arc::new(settings));
+        self.settings.store(settings);
         drop(state);
         self.wake.notify_waiters();
     }
@@ -184,7 +224,7 @@ impl Group {
         // means "no limit". A request keeps the one it arrived with through a reload.
         let deadline = arrived.checked_add(self.settings().max_wait);
         // A retry waits behind nobody; a first attempt behind the whole queue.
-        let ahead = self.estimate_wait(!front);
+        let ahead = self.estimate_wait(!front, cost.flow);
         if deadline.is_some_and(|deadline| Instant::now() + ahead > deadline) {
             self.metrics.max_wait.inc();
             return Err(Refusal::WaitTooLong { ahead });
@@ -211,7 +251,7 @@ impl Group {
                 self.metrics.max_wait.inc();
                 Err(Refusal::MaxWait {
                     waited: arrived.elapsed(),
-                    retry_after: self.estimate_wait(true),
+                    retry_after: self.estimate_wait(true, cost.flow),
                 })
             }
         }
@@ -340,6 +380,7 @@ impl Group {
             let cost = Cost {
                 requests: place.cost,
                 tokens: place.tokens,
+                flow: None,
             };
             self.depart(&mut state, (booked, tokens_taken), ready, cost);
             return Ok(Some(Permit::new(held, self.clone())));
@@ -444,11 +485,15 @@ impl Group {
     }
 
     /// How long a request arriving now would wait: the pause, then the rate's backlog
-    /// for the queued cost (`behind_queue`) or for nobody ahead (a retry).
-    pub(super) fn estimate_wait(&self, behind_queue: bool) -> Duration {
+    /// for the cost queued ahead of it (`behind_queue`; in a fair queue, what leaves
+    /// before it in its `flow`'s share) or for nobody ahead (a retry).
+    pub(super) fn estimate_wait(&self, behind_queue: bool, flow: Option<Flow>) -> Duration {
         let state = self.lock();
         let now = Instant::now();
-        let ahead = if behind_queue { state.queue.cost() } else { 0 };
+        let ahead = match behind_queue {
+            true => state.queue.cost_ahead(flow, 1),
+            false => 0,
+        };
         let start = state.pause.until(now).unwrap_or(now);
         (start - now) + state.rates.backlog(start, ahead)
     }

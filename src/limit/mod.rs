@@ -3,21 +3,24 @@
 //! * this module — [`Limits`], the groups by name and host;
 //! * [`group`] — one group: a request's way through it, from joining the queue to
 //!   departing with a concurrency permit;
-//! * [`queue`] — the FIFO queue and its turn;
+//! * [`queue`] — the queue and its turn: FIFO, or fair between flows ([`fair`]);
 //! * [`pause`] — the upstream's pause;
 //! * [`store`] — where the budget lives: [`rate`] in this process, [`redis`] shared;
 //! * [`gcra`] — the rate decision, pure;
 //! * [`budget`] — what the group learns of its upstream's budget (docs/budget.md):
 //!   the probe, the announced window and the controller of its pace, pure;
-//! * [`permits`] — concurrency permits.
+//! * [`permits`] — concurrency permits;
+//! * [`keys`] — a budget per key (API key, user, model) in a `[[limit]]` with `key`.
 //!
 //! Hosts listed in a `[[limit]]` share that group. Any other host gets a group of its
 //! own, built from `[defaults]` when first seen and evicted when idle, so memory follows
 //! the hosts in use, not every host ever seen.
 
 pub mod budget;
+pub mod fair;
 pub mod gcra;
 pub mod group;
+pub mod keys;
 pub mod pause;
 pub mod permits;
 pub mod queue;

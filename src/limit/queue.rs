@@ -8,6 +8,9 @@
 //!
 //! A request the upstream refused is retried ahead of everyone else: its key ranks
 //! before every first attempt. A head that finds one ahead of it steps aside.
+//!
+//! In a group with `fair_by`, first attempts are ordered by their flow's tag
+//! ([`super::fair`]) before their arrival: the same map, the same head.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -15,11 +18,13 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::fair::{Flow, Flows};
 use super::permits::Held;
 use super::{Group, Refusal};
 
-/// A place in the queue: `(rank, arrival order)`; a smaller key goes first.
-pub type Key = (i8, u64);
+/// A place in the queue: `(rank, fair tag, arrival order)`; a smaller key goes first.
+/// The tag is 0 in a group without `fair_by`, so that queue is FIFO.
+pub type Key = (i8, u64, u64);
 
 /// The rank of requests retried after a push-back: ahead of everyone else.
 const RETRY: i8 = -1;
@@ -38,6 +43,8 @@ pub struct Queue {
     cost: u64,
     /// The cost of the request holding the turn (0 when none does).
     head_cost: u64,
+    /// The flows waiting, in a group with `fair_by`.
+    flows: Flows,
 }
 
 /// A request waiting for the turn, as the head sees it.
@@ -73,9 +80,18 @@ impl Queue {
         self.len == 0
     }
 
-    /// The total cost of the requests in the queue.
-    pub fn cost(&self) -> u64 {
-        self.cost
+    /// The cost queued ahead of a request of `cost` in `flow` that joins now: the
+    /// whole queue's, or in a fair queue about what leaves before its tag.
+    pub fn cost_ahead(&self, flow: Option<Flow>, cost: u32) -> u64 {
+        match flow {
+            Some(flow) => self.head_cost + self.flows.cost_ahead(flow, cost),
+            None => self.cost,
+        }
+    }
+
+    /// The flows with the most requests waiting (`(id, waiting, weight)`), at most `n`.
+    pub fn busiest_flows(&self, n: usize) -> Vec<(u64, u32, u32)> {
+        self.flows.busiest(n)
     }
 
     /// The cost and joining time of the first request waiting behind the head.
@@ -88,9 +104,10 @@ impl Queue {
     /// back when that request is already gone (it removes itself from the map before
     /// dropping its receiver, so this does not happen while the lock is held).
     pub fn release_front(&mut self, held: Held) -> Result<(), Held> {
-        let Some((_, waiter)) = self.waiting.pop_first() else {
+        let Some((key, waiter)) = self.waiting.pop_first() else {
             return Err(held);
         };
+        self.flows.started(key.1);
         waiter
             .tx
             .send(Turn::Leave(held))
@@ -131,11 +148,11 @@ impl Queue {
         self.waiting.keys().next().is_some_and(|first| *first < key)
     }
 
-    /// Takes the next key of a rank.
-    fn key(&mut self, front: bool) -> Key {
+    /// Takes the next key of a rank, with its fair `tag`.
+    fn key(&mut self, front: bool, tag: u64) -> Key {
         let seq = self.next_seq;
         self.next_seq += 1;
-        (if front { RETRY } else { FIRST }, seq)
+        (if front { RETRY } else { FIRST }, tag, seq)
     }
 
     fn wait(&mut self, key: Key, cost: u32, joined: Instant, deadline: Option<Instant>) -> Stage {
@@ -152,8 +169,9 @@ impl Queue {
 
     /// Passes the turn to the first waiter still there, or frees it.
     fn pass_turn(&mut self) {
-        while let Some((_, next)) = self.waiting.pop_first() {
+        while let Some((key, next)) = self.waiting.pop_first() {
             if next.tx.send(Turn::Take).is_ok() {
+                self.flows.started(key.1);
                 return;
             }
         }
@@ -169,6 +187,8 @@ pub struct Place {
     pub cost: u32,
     /// Its tokens, in a group that counts them.
     pub tokens: Option<crate::llm::Tokens>,
+    /// Its flow, in a group with `fair_by`.
+    flow: Option<Flow>,
     /// When it joined: from then on only the group held it back.
     pub joined: Instant,
     /// Its position.
@@ -199,22 +219,31 @@ impl Place {
         deadline: Option<Instant>,
     ) -> Result<Place, Refusal> {
         let joined = Instant::now();
-        let (tokens, cost) = (cost.tokens, cost.requests);
+        let (tokens, flow, cost) = (cost.tokens, cost.flow, cost.requests);
         let mut state = group.lock();
         let queue = &mut state.queue;
-        if !front && queue.len >= group.settings().queue {
+        let settings = group.settings();
+        let flow_full = flow.filter(|_| !front).is_some_and(|flow| {
+            let bound = settings.keys.flow_queue.unwrap_or(settings.queue);
+            queue.flows.waiting(flow.id) as usize >= bound
+        });
+        if flow_full || (!front && queue.len >= settings.queue) {
             drop(state);
             group.metrics.queue_full.inc();
-            return Err(Refusal::QueueFull {
-                retry_after: group.estimate_wait(true),
+            let retry_after = group.estimate_wait(true, flow);
+            return Err(match flow_full {
+                true => Refusal::FlowQueueFull { retry_after },
+                false => Refusal::QueueFull { retry_after },
             });
         }
         queue.len += 1;
         queue.cost += u64::from(cost);
-        group.metrics.queue_depth.set(queue.len as i64);
-        let key = queue.key(front);
+        group.metrics.queue_depth.inc();
+        let tag = flow.map_or(0, |flow| queue.flows.join(flow, cost, front));
+        let key = queue.key(front, tag);
         let stage = if !queue.turn_taken && queue.waiting.is_empty() {
             queue.turn_taken = true;
+            queue.flows.started(tag);
             queue.head_cost = u64::from(cost);
             Stage::HasTurn
         } else {
@@ -224,6 +253,7 @@ impl Place {
             group: group.clone(),
             cost,
             tokens,
+            flow,
             joined,
             key,
             deadline,
@@ -262,7 +292,7 @@ impl Place {
     pub fn step_aside(&mut self) {
         let mut state = self.group.lock();
         let queue = &mut state.queue;
-        self.key = queue.key(true);
+        self.key = queue.key(true, 0);
         self.stage = queue.wait(self.key, self.cost, self.joined, self.deadline);
         queue.head_cost = 0;
         queue.pass_turn();
@@ -294,7 +324,10 @@ impl Place {
         }
         queue.len -= 1;
         queue.cost -= u64::from(self.cost);
-        self.group.metrics.queue_depth.set(queue.len as i64);
+        if let Some(flow) = self.flow {
+            queue.flows.left(flow.id, self.cost);
+        }
+        self.group.metrics.queue_depth.dec();
     }
 }
 

@@ -384,8 +384,9 @@ impl TokenBudget {
     }
 }
 
-/// What a request spends of its group's budget: cost units of the request rates, and
-/// the tokens it is estimated at when the group counts tokens.
+/// What a request spends of its group's budget: cost units of the request rates, the
+/// tokens it is estimated at when the group counts tokens, and the flow whose share of
+/// the queue it spends when the group queues fairly.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Cost {
     /// Units of the request rates (`costs`, else 1).
@@ -393,13 +394,15 @@ pub struct Cost {
     /// Its estimate, in a group that counts tokens and a request that reads as one of
     /// an LLM API's.
     pub tokens: Option<Tokens>,
+    /// Its flow, in a group with `fair_by` (docs/keys.md).
+    pub flow: Option<super::fair::Flow>,
 }
 
 impl From<u32> for Cost {
     fn from(requests: u32) -> Cost {
         Cost {
             requests,
-            tokens: None,
+            ..Cost::default()
         }
     }
 }

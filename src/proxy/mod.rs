@@ -46,6 +46,7 @@ use crate::shutdown::Shutdown;
 use crate::tunnel;
 use crate::upstream::{Dialer, Upstream};
 
+mod keys;
 mod respond;
 mod state;
 mod tokens;
@@ -119,10 +120,10 @@ impl Proxy {
             false => req.map(|b| body::idle_limited(b, self.body_idle)),
         };
         // 0. Who asks, and whether it came round again (a password is checked below).
-        // Inside a tunnel, the CONNECT that opened it was checked.
+        // Inside a tunnel, the CONNECT that opened it was checked, and its user asks.
         let checked = match inside {
             None => live.access.check(client, req.headers()),
-            Some(_) => Ok(crate::access::Check::Passed(None)),
+            Some(inside) => Ok(crate::access::Check::Passed(inside.user.clone())),
         };
         let mut classified = self.classify(&live, req, local, inside).map(|mut to| {
             to.sending = sending.cloned();
@@ -146,20 +147,30 @@ impl Proxy {
                     (Ok(_), Err(e)) => Err(e),
                     (Ok(who), Ok(to)) if to.target.kind == Kind::Tunnel => {
                         user = who;
+                        let user = user.as_deref();
+                        let asker = keys::Asker {
+                            user,
+                            client: client.ip(),
+                        };
                         match &self.intercept {
                             Some(i) if i.covers(&to.target.host, to.target.port) => {
                                 tunnel = Some("intercepted");
-                                self.open_intercepted(to)
+                                self.open_intercepted(to, user.map(str::to_string))
                             }
                             _ => {
                                 tunnel = Some("blind");
-                                self.tunnel(to, arrived, &mut timing).await
+                                self.tunnel(to, arrived, asker, &mut timing).await
                             }
                         }
                     }
                     (Ok(who), Ok(to)) => {
                         user = who;
-                        self.forward(to, arrived, &mut timing).await
+                        let user = user.as_deref();
+                        let asker = keys::Asker {
+                            user,
+                            client: client.ip(),
+                        };
+                        self.forward(to, arrived, asker, &mut timing).await
                     }
                 },
             };
@@ -230,11 +241,18 @@ impl Proxy {
         &self,
         mut to: Box<Classified>,
         arrived: Instant,
+        asker: keys::Asker<'_>,
         timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         to.left.disarm();
         self.refuse_denied(&mut to)?;
-        let permit = self.admit(&to.group, to.cost.into(), arrived, false).await;
+        let (group, flow) = keys::budget(&to.group, &to.request, asker)?;
+        let cost = Cost {
+            requests: to.cost,
+            tokens: None,
+            flow,
+        };
+        let permit = self.admit(&group, cost, arrived, false).await;
         timing.wait = arrived.elapsed();
         let permit = permit?;
         let (dialer, tunnels, cut) = (&self.dialer, &self.tunnels, &self.cut);
@@ -243,19 +261,19 @@ impl Proxy {
         let opened = Instant::now();
         let answer = open.await;
         timing.upstream = opened.elapsed();
-        let upstream = &to.group.metrics.upstream;
+        let upstream = &group.metrics.upstream;
         match &answer {
             Ok(response) => {
                 upstream.response(response.status().as_u16(), timing.upstream);
                 // An open tunnel is a request the upstream took: it counts as an
                 // answer for the group's probe and push-back backoff.
                 if response.status().is_success() {
-                    to.group.accepted(opened);
+                    group.accepted(opened);
                 }
             }
             Err(e) => {
                 upstream.error(e.proxy_status_error());
-                to.group.unanswered();
+                group.unanswered();
             }
         }
         answer
@@ -264,7 +282,11 @@ impl Proxy {
     /// Step 2 for a CONNECT to an intercepted host: answered at once, for the server to
     /// serve what comes through. A destination the policy refuses by name or address
     /// is refused now; a name's addresses are checked as each request inside is sent.
-    fn open_intercepted(&self, mut to: Box<Classified>) -> Result<Response<Body>, ProxyError> {
+    fn open_intercepted(
+        &self,
+        mut to: Box<Classified>,
+        user: Option<String>,
+    ) -> Result<Response<Body>, ProxyError> {
         // Not a request of its group: each one inside the tunnel is.
         to.left.disarm();
         let (host, port) = (&to.target.host, to.target.port);
@@ -278,7 +300,7 @@ impl Proxy {
             })
             .map_err(|denial| ProxyError::DestinationDenied { denial })?;
         tracing::debug!(host = %to.target.host, port = to.target.port, "tunnel intercepted");
-        Ok(tunnel::intercept(&to.target, to.request.attempt(0)))
+        Ok(tunnel::intercept(&to.target, to.request.attempt(0), user))
     }
 
     /// Steps 3 and 4: the body, read before the wait; then wait, send, judge, and
@@ -287,6 +309,7 @@ impl Proxy {
         &self,
         mut to: Box<Classified>,
         arrived: Instant,
+        asker: keys::Asker<'_>,
         timing: &mut Timing,
     ) -> Result<Response<Body>, ProxyError> {
         self.refuse_denied(&mut to)?;
@@ -304,7 +327,14 @@ impl Proxy {
         // its permit is held while the switched connection is open.
         if let Some(protocol) = upgrade.take() {
             left.disarm();
-            let permit = self.admit(group, (*cost).into(), arrived, false).await;
+            let (group, flow) = keys::budget(group, request, asker)?;
+            let group = &group;
+            let cost = Cost {
+                requests: *cost,
+                tokens: None,
+                flow,
+            };
+            let permit = self.admit(group, cost, arrived, false).await;
             timing.wait = arrived.elapsed();
             let switching = self.upstream.switching(&self.tunnels, &self.cut);
             let sent = Instant::now();
@@ -327,10 +357,13 @@ impl Proxy {
         read.await?;
         // From here the group counts what becomes of the request.
         left.disarm();
+        let (group, flow) = keys::budget(group, request, asker)?;
+        let group = &group;
         let estimate = tokens::estimate(group, request);
         let cost = Cost {
             requests: *cost,
             tokens: estimate,
+            flow,
         };
         let mut attempt = 0;
         loop {

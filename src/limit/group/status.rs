@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use super::super::budget::{self, Phase};
+use super::super::keys::{hex, id_of};
 use super::super::tokens::TokenStatus;
 use super::Group;
 
@@ -31,6 +32,44 @@ pub struct GroupStatus {
     /// Its tokens, in a group that counts them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokenStatus>,
+    /// The name `key_labels` gives a key's budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// Its keys' budgets, in a `[[limit]]` with `key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keys: Option<KeysStatus>,
+    /// The flows with requests waiting, the busiest first, in a group with `fair_by`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub flows: Vec<FlowStatus>,
+}
+
+/// How many of the most waiting keys and flows `/status` shows: the rest are counted.
+pub const BUSIEST: usize = 10;
+
+/// The keys of a `[[limit]]` with `key`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KeysStatus {
+    /// Keys with a budget now.
+    pub count: usize,
+    /// `max_keys`.
+    pub max_keys: usize,
+    /// The budgets with the most requests queued and in flight, at most [`BUSIEST`];
+    /// each named `<limit>/<first 16 hex digits of the key's SHA-256>`.
+    pub busiest: Vec<GroupStatus>,
+}
+
+/// One flow of a fair queue.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FlowStatus {
+    /// The first 16 hex digits of its value's SHA-256.
+    pub flow: String,
+    /// Its value, when `weights` names it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// Its requests in the queue.
+    pub queued: u32,
+    /// Its weight.
+    pub weight: u32,
 }
 
 /// The rate a group keeps to now, in requests per second, and why: `None` when no
@@ -82,18 +121,64 @@ impl Group {
         let paused_for = state.pause.until(now).map(|p| (p - now).as_secs_f64());
         let configured = state.rates.per_second();
         let budget = state.budget.status(now);
-        let tokens = state.tokens.is_some();
-        let (pace, reason) = pace_in_force(paused_for, &budget, &configured, tokens);
+        let (pace, reason) =
+            pace_in_force(paused_for, &budget, &configured, state.tokens.is_some());
+        let tokens = state.tokens.as_ref().map(|t| t.status(now));
+        let flows = state.queue.busiest_flows(BUSIEST);
+        let queued = state.queue.len();
+        drop(state);
+        let settings = self.settings();
+        let flows = (flows.into_iter())
+            .map(|(id, queued, weight)| FlowStatus {
+                flow: hex(id),
+                label: (settings.keys.weights.keys())
+                    .find(|value| id_of(value.as_bytes()) == id)
+                    .cloned(),
+                queued,
+                weight,
+            })
+            .collect();
+        let keys = settings.keys.key.is_some().then(|| self.keys_status());
         GroupStatus {
+            label: None,
+            keys,
+            flows,
             name: self.name.to_string(),
-            queued: state.queue.len(),
+            queued,
             in_flight: self.in_flight.load(Ordering::Relaxed),
             paused_for_seconds: paused_for,
             effective_rates_per_second: configured,
             pace_in_force_per_second: pace,
             pace_reason: reason,
             budget,
-            tokens: state.tokens.as_ref().map(|t| t.status(now)),
+            tokens,
+        }
+    }
+
+    /// Its keys: how many, and the busiest, with their labels.
+    fn keys_status(&self) -> KeysStatus {
+        let mut all: Vec<_> = (self.keys.groups().into_iter())
+            .map(|key| {
+                let load = key.lock().queue.len() + key.in_flight.load(Ordering::Relaxed);
+                (load, key)
+            })
+            .collect();
+        all.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.name.cmp(&b.1.name)));
+        let settings = self.settings();
+        let busiest = (all.iter().take(BUSIEST))
+            .map(|(_, key)| {
+                let mut status = key.status();
+                let digits = key.name.rsplit('/').next().unwrap_or_default();
+                status.label = (settings.keys.key_labels.iter())
+                    .find(|(prefix, _)| digits.starts_with(prefix.as_str()))
+                    .map(|(_, label)| label.clone());
+                status
+            })
+            .collect();
+        KeysStatus {
+            count: all.len(),
+            max_keys: settings.keys.max_keys,
+            busiest,
         }
     }
 
