@@ -1,8 +1,11 @@
 //! `[backend]`: where limit state lives. One Redis node (`url`), the master a set of
 //! Sentinels names (`sentinels`, `master_name`), or a Redis Cluster (`cluster`): exactly
-//! one of the three with `kind = "redis"`, and none without it.
+//! one of the three with `kind = "redis"`, and none without it. `ca_file`,
+//! `client_cert_file` and `client_key_file` are for `rediss://` connections, and refused
+//! where no URL is `rediss://` (they would do nothing).
 
 use std::ops::Range;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::de::{self, Deserializer};
@@ -28,6 +31,19 @@ pub struct BackendConfig {
     /// How many replicas share the budget, for the local fallback (rate / replicas);
     /// by default, the replicas seen alive in Redis recently.
     pub replicas: Option<u32>,
+    /// Whom `rediss://` connections trust, and the certificate they show.
+    pub tls: RedisTls,
+}
+
+/// `ca_file`, `client_cert_file` and `client_key_file`: TLS to a Redis whose
+/// certificates a private CA signs, or that asks for a client certificate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisTls {
+    /// The CAs (PEM) that `rediss://` servers' certificates must chain to, instead of
+    /// the web roots: a private CA is the only one that should vouch for one's own Redis.
+    pub ca_file: Option<PathBuf>,
+    /// The certificate chain and its key (PEM) shown to servers that ask for one.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for BackendConfig {
@@ -39,6 +55,7 @@ impl Default for BackendConfig {
             timeout: Dur(Duration::from_millis(50)),
             on_backend_error: OnBackendError::Local,
             replicas: None,
+            tls: RedisTls::default(),
         }
     }
 }
@@ -140,6 +157,9 @@ pub(super) struct RawBackend {
     timeout: Option<Dur>,
     on_backend_error: Option<OnBackendError>,
     replicas: Option<Spanned<u32>>,
+    ca_file: Option<Spanned<PathBuf>>,
+    client_cert_file: Option<Spanned<PathBuf>>,
+    client_key_file: Option<Spanned<PathBuf>>,
 }
 
 fn memory() -> BackendKind {
@@ -158,6 +178,7 @@ impl RawBackend {
             return Err((replicas.span(), "replicas must be at least 1".into()));
         }
         let redis = self.redis_at(table)?;
+        let tls = self.tls()?;
         Ok(BackendConfig {
             kind: self.kind,
             redis,
@@ -165,7 +186,57 @@ impl RawBackend {
             timeout: self.timeout.unwrap_or(defaults.timeout),
             on_backend_error: self.on_backend_error.unwrap_or(defaults.on_backend_error),
             replicas: self.replicas.map(Spanned::into_inner),
+            tls,
         })
+    }
+
+    /// The TLS files: the client certificate with its key, and none of them where no
+    /// URL is `rediss://`, since plain connections would ignore them.
+    fn tls(&self) -> Result<RedisTls, Located> {
+        let (cert, key) = (&self.client_cert_file, &self.client_key_file);
+        let client_cert = match (cert, key) {
+            (Some(cert), Some(key)) => Some((cert.get_ref().clone(), key.get_ref().clone())),
+            (Some(only), None) | (None, Some(only)) => {
+                let (written, missing) = match cert {
+                    Some(_) => ("client_cert_file", "client_key_file"),
+                    None => ("client_key_file", "client_cert_file"),
+                };
+                return Err((
+                    only.span(),
+                    format!("{written} goes with {missing}, which is not written"),
+                ));
+            }
+            (None, None) => None,
+        };
+        let written = [
+            ("ca_file", &self.ca_file),
+            ("client_cert_file", cert),
+            ("client_key_file", key),
+        ]
+        .into_iter()
+        .find_map(|(name, file)| Some((name, file.as_ref()?.span())));
+        if let Some((name, span)) = written.filter(|_| !self.any_tls()) {
+            return Err((
+                span,
+                format!(
+                    "{name} is for rediss:// connections, but no url, sentinel or cluster \
+                     node here is rediss://: write rediss:// to reach Redis over TLS"
+                ),
+            ));
+        }
+        Ok(RedisTls {
+            ca_file: self.ca_file.as_ref().map(|f| f.get_ref().clone()),
+            client_cert,
+        })
+    }
+
+    /// Whether any URL written reaches Redis over TLS.
+    fn any_tls(&self) -> bool {
+        let tls = |url: &RedisUrl| url.0.starts_with("rediss://");
+        let lists = [&self.sentinels, &self.cluster];
+        self.url.as_ref().is_some_and(|u| tls(u.get_ref()))
+            || (lists.iter().filter_map(|l| l.as_ref()))
+                .any(|l| l.get_ref().iter().any(|n| tls(&n.0)))
     }
 
     /// Where Redis is: one of `url`, `sentinels` and `cluster`, with `kind = "redis"`.
@@ -329,6 +400,27 @@ mod tests {
                 "[backend]\nreplicas = 0\n",
                 "t.toml:2:12: replicas must be at least 1",
             ),
+            (
+                "[backend]\nkind = \"redis\"\nurl = \"redis://r\"\nca_file = \"ca.pem\"\n",
+                "t.toml:4:11: ca_file is for rediss:// connections, but no url",
+            ),
+            (
+                "[backend]\nca_file = \"ca.pem\"\n",
+                "t.toml:2:11: ca_file is for rediss:// connections",
+            ),
+            (
+                "[backend]\nkind = \"redis\"\ncluster = [\"r:7000\", \"redis://r:7001\"]\n\
+                 client_cert_file = \"c.pem\"\nclient_key_file = \"k.pem\"\n",
+                "t.toml:4:20: client_cert_file is for rediss:// connections",
+            ),
+            (
+                "[backend]\nkind = \"redis\"\nurl = \"rediss://r\"\nclient_cert_file = \"c.pem\"\n",
+                "t.toml:4:20: client_cert_file goes with client_key_file, which is not written",
+            ),
+            (
+                "[backend]\nkind = \"redis\"\nurl = \"rediss://r\"\nclient_key_file = \"k.pem\"\n",
+                "t.toml:4:19: client_key_file goes with client_cert_file, which is not written",
+            ),
         ];
         for (text, expected) in cases {
             let e = parse(text).unwrap_err().to_string();
@@ -350,6 +442,25 @@ mod tests {
                 sentinel_password: Some("s".into()),
             })
         );
+        let tls = |at: &str| {
+            parse(&format!(
+                "[backend]\nkind = \"redis\"\n{at}\nca_file = \"/ca.pem\"\n\
+                 client_cert_file = \"/c.pem\"\nclient_key_file = \"/k.pem\"\n"
+            ))
+            .map(|b| b.tls)
+        };
+        let expected = RedisTls {
+            ca_file: Some("/ca.pem".into()),
+            client_cert: Some(("/c.pem".into(), "/k.pem".into())),
+        };
+        // One rediss:// URL anywhere is enough for the files to be taken.
+        for at in [
+            "url = \"rediss://r\"",
+            "cluster = [\"r:7000\", \"rediss://r:7001\"]",
+            "sentinels = [\"rediss://r:26379\"]\nmaster_name = \"m\"",
+        ] {
+            assert_eq!(tls(at).unwrap_or_else(|e| panic!("{at}: {e}")), expected);
+        }
         assert_eq!(parse("").unwrap(), BackendConfig::default());
     }
 }

@@ -1,6 +1,6 @@
 //! Where the settings that name something outside the file are written — `[proxy]
-//! ca_file`, `[access] users`, `[backend] url`, `sentinels` and `cluster`,
-//! `[intercept] ca_cert` and `ca_key` —
+//! ca_file`, `[access] users`, `[backend] url`, `sentinels`, `cluster`, `ca_file`,
+//! `client_cert_file` and `client_key_file`, `[intercept] ca_cert` and `ca_key` —
 //! so that the step that reads those files (`crate::external`) reports a problem at
 //! its place in `config.toml`.
 
@@ -35,6 +35,12 @@ pub struct Places {
     pub backend_sentinels: Option<Place>,
     /// `[backend] cluster`.
     pub backend_cluster: Option<Place>,
+    /// `[backend] ca_file`.
+    pub backend_ca_file: Option<Place>,
+    /// `[backend] client_cert_file`.
+    pub backend_client_cert_file: Option<Place>,
+    /// `[backend] client_key_file`.
+    pub backend_client_key_file: Option<Place>,
     /// `[intercept] ca_cert`.
     pub ca_cert: Option<Place>,
     /// `[intercept] ca_key`.
@@ -70,6 +76,9 @@ struct BackendSpans {
     url: Option<Spanned<toml::Value>>,
     sentinels: Option<Spanned<toml::Value>>,
     cluster: Option<Spanned<toml::Value>>,
+    ca_file: Option<Spanned<toml::Value>>,
+    client_cert_file: Option<Spanned<toml::Value>>,
+    client_key_file: Option<Spanned<toml::Value>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -99,6 +108,9 @@ impl Places {
             backend_url: place(spans.backend.url.map(|s| s.span())),
             backend_sentinels: place(spans.backend.sentinels.map(|s| s.span())),
             backend_cluster: place(spans.backend.cluster.map(|s| s.span())),
+            backend_ca_file: place(spans.backend.ca_file.map(|s| s.span())),
+            backend_client_cert_file: place(spans.backend.client_cert_file.map(|s| s.span())),
+            backend_client_key_file: place(spans.backend.client_key_file.map(|s| s.span())),
             ca_cert: place(spans.intercept.ca_cert.map(|s| s.span())),
             ca_key: place(spans.intercept.ca_key.map(|s| s.span())),
         }

@@ -28,7 +28,7 @@ mod tables;
 mod tokens;
 mod values;
 
-pub use backend::{BackendConfig, BackendKind, OnBackendError, RedisAt, RedisUrl};
+pub use backend::{BackendConfig, BackendKind, OnBackendError, RedisAt, RedisTls, RedisUrl};
 pub use external::{Place, Places};
 pub use keys::{KeySettings, KeySource};
 pub use source::Source;
