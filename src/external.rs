@@ -1,8 +1,8 @@
 //! The one step after parsing that reads what the configuration names outside its
 //! file — `[proxy] ca_file`, `[access] users`, the `[intercept]` CA, the `[backend]`
-//! Redis URLs — without side effects: the files are read, the URL is parsed but not
-//! dialled, and nothing needs a runtime. A problem is reported at the place in
-//! `config.toml` where the setting is written. It runs at start (and for
+//! Redis URLs and TLS files — without side effects: the files are read, the URL is
+//! parsed but not dialled, and nothing needs a runtime. A problem is reported at the
+//! place in `config.toml` where the setting is written. It runs at start (and for
 //! `check-config`) and before every reload; `config` itself stays plain data.
 
 use crate::config::{Config, ConfigError};
@@ -38,6 +38,9 @@ pub fn check(config: &Config) -> Result<(), ConfigError> {
             let place = match e.setting() {
                 "sentinels" => &places.backend_sentinels,
                 "cluster" => &places.backend_cluster,
+                "ca_file" => &places.backend_ca_file,
+                "client_cert_file" => &places.backend_client_cert_file,
+                "client_key_file" => &places.backend_client_key_file,
                 _ => &places.backend_url,
             };
             ConfigError::at(place, &format!("backend.{}", e.setting()), e.to_string())
@@ -86,6 +89,71 @@ mod tests {
         }
         // A Redis URL to a port nobody listens on is fine: nothing is dialled.
         check("[backend]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1/0\"\n").unwrap();
+    }
+
+    /// The `[backend]` TLS files of every kind of deployment are read, and a file that
+    /// is missing or holds the wrong PEM is pointed at.
+    #[test]
+    fn backend_tls_files_are_read_at_their_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = crate::intercept::init(dir.path()).unwrap();
+        let missing = dir.path().join("missing.pem");
+        let shown = |p: &Path| format!("{:?}", p.display().to_string());
+        let backend = |at: &str, tls: &str| format!("[backend]\nkind = \"redis\"\n{at}\n{tls}\n");
+        let url = "url = \"rediss://127.0.0.1:1\"";
+        let mtls = format!(
+            "ca_file = {}\nclient_cert_file = {}\nclient_key_file = {}",
+            shown(&cert),
+            shown(&cert),
+            shown(&key)
+        );
+        for at in [
+            url,
+            "cluster = [\"rediss://127.0.0.1:1\", \"rediss://127.0.0.1:2\"]",
+            "sentinels = [\"rediss://127.0.0.1:1\"]\nmaster_name = \"m\"",
+        ] {
+            check(&backend(at, &mtls)).unwrap_or_else(|e| panic!("{at}: {e}"));
+            check(&backend(at, &format!("ca_file = {}", shown(&cert)))).unwrap();
+        }
+        let cases = [
+            (
+                format!("ca_file = {}", shown(&missing)),
+                format!("t.toml:4:11: ca_file {}: cannot read", missing.display()),
+            ),
+            (
+                format!("ca_file = {}", shown(&key)),
+                format!(
+                    "t.toml:4:11: ca_file {}: no PEM certificate found",
+                    key.display()
+                ),
+            ),
+            (
+                format!(
+                    "client_cert_file = {}\nclient_key_file = {}",
+                    shown(&key),
+                    shown(&key)
+                ),
+                format!(
+                    "t.toml:4:20: client_cert_file {}: no PEM certificate",
+                    key.display()
+                ),
+            ),
+            (
+                format!(
+                    "client_cert_file = {}\nclient_key_file = {}",
+                    shown(&cert),
+                    shown(&cert)
+                ),
+                format!(
+                    "t.toml:5:19: client_key_file {}: no PEM private key",
+                    cert.display()
+                ),
+            ),
+        ];
+        for (tls, expected) in cases {
+            let e = check(&backend(url, &tls)).unwrap_err().to_string();
+            assert!(e.starts_with(&expected), "{tls}: {e}");
+        }
     }
 
     #[test]

@@ -49,6 +49,7 @@ mod follow;
 mod lease;
 mod maintain;
 pub mod protocol;
+mod tls;
 mod tokens;
 pub use connect::BackendError;
 use connect::{arg, Conn, Lua};

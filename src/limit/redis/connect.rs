@@ -11,6 +11,9 @@
 //!   key's slot, follows `MOVED` and `ASK`, and reads the slots again when a node goes.
 //!   Every script touches the keys of one group, which share one hash tag (`{group}`),
 //!   so no call spans slots.
+//!
+//! `rediss://` connections of all three trust `[backend] ca_file` instead of the web
+//! roots when it is set, and show `client_cert_file` to servers that ask for one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,6 +63,16 @@ pub enum BackendError {
          database, which are the master's (the sentinels' own password is sentinel_password)"
     )]
     SentinelsDisagree,
+    /// A TLS file that cannot be read, or holds no certificate or key.
+    #[error("{setting} {path}: {problem}")]
+    TlsFile {
+        /// The setting: `ca_file`, `client_cert_file` or `client_key_file`.
+        setting: &'static str,
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        problem: String,
+    },
 }
 
 impl BackendError {
@@ -69,6 +82,7 @@ impl BackendError {
             BackendError::Nowhere => "kind",
             BackendError::Url { setting, .. } => setting,
             BackendError::SentinelsDisagree => "sentinels",
+            BackendError::TlsFile { setting, .. } => setting,
         }
     }
 }
@@ -89,23 +103,33 @@ enum Plan {
 
 fn plan(config: &BackendConfig) -> Result<Plan, BackendError> {
     let timeout = config.timeout.0;
-    match config.redis.as_ref().ok_or(BackendError::Nowhere)? {
+    let at = config.redis.as_ref().ok_or(BackendError::Nowhere)?;
+    let certs = super::tls::certificates(&config.tls)?;
+    match at {
         RedisAt::Node(url) => {
             let info = parse("url", std::slice::from_ref(url))?.remove(0);
-            Client::open(info.set_tcp_settings(tcp_settings()))
-                .map(Plan::Node)
-                .map_err(failed("url", std::slice::from_ref(url)))
+            let info = info.set_tcp_settings(tcp_settings());
+            match certs {
+                Some(certs) => Client::build_with_tls(info, certs),
+                None => Client::open(info),
+            }
+            .map(Plan::Node)
+            .map_err(failed("url", std::slice::from_ref(url)))
         }
         RedisAt::Cluster(nodes) => {
             // A retry comes after the call's timeout anyway: redis-rs waits more than a
             // second between retries by default. MOVED and ASK are followed at once.
-            ClusterClient::builder(parse("cluster", nodes)?)
+            let mut builder = ClusterClient::builder(parse("cluster", nodes)?)
                 .connection_timeout(timeout)
                 .response_timeout(timeout)
                 .retries(2)
                 .min_retry_wait(1)
                 .max_retry_wait(20)
-                .tcp_settings(tcp_settings())
+                .tcp_settings(tcp_settings());
+            if let Some(certs) = certs {
+                builder = builder.certs(certs);
+            }
+            builder
                 .build()
                 .map(Plan::Cluster)
                 .map_err(failed("cluster", nodes))
@@ -116,8 +140,8 @@ fn plan(config: &BackendConfig) -> Result<Plan, BackendError> {
             sentinel_password,
         } => {
             let infos = parse("sentinels", sentinels)?;
-            let follower =
-                Follower::new(infos, master_name, sentinel_password.as_deref(), timeout)?;
+            let password = sentinel_password.as_deref();
+            let follower = Follower::new(infos, master_name, password, certs, timeout)?;
             Ok(Plan::Sentinel(follower))
         }
     }

@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
-use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, RedisConnectionInfo, RedisError,
-    RedisResult, TlsMode, Value,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, RedisError, RedisResult,
+    TlsCertificates, TlsMode, Value,
 };
 
 use super::connect::{lost, BackendError};
@@ -25,9 +25,9 @@ const RESOLVE_BOUND: Duration = Duration::from_secs(2);
 
 /// A connection to the master of `master_name`, made again when it is lost.
 pub struct Follower {
-    sentinel: tokio::sync::Mutex<Sentinel>,
+    /// The sentinels, and how to reach the master they name.
+    sentinel: tokio::sync::Mutex<SentinelClient>,
     master_name: String,
-    node: SentinelNodeConnectionInfo,
     db: i64,
     config: AsyncConnectionConfig,
     /// The connection in use and its generation, which a loss names so that it does
@@ -41,11 +41,13 @@ pub struct Follower {
 impl Follower {
     /// A follower of `master_name` through `sentinels` (parsed URLs: their scheme and
     /// userinfo are the master's, which every URL must agree on), which authenticate
-    /// with `sentinel_password` if given. Dials nothing.
+    /// with `sentinel_password` if given; over TLS, the sentinels and the master are
+    /// reached with `certs` when given (`ca_file`, a client certificate). Dials nothing.
     pub fn new(
         sentinels: Vec<ConnectionInfo>,
         master_name: &str,
         sentinel_password: Option<&str>,
+        certs: Option<TlsCertificates>,
         timeout: Duration,
     ) -> Result<Follower, BackendError> {
         let first = sentinels.first().ok_or(BackendError::Nowhere)?;
@@ -59,28 +61,36 @@ impl Follower {
         if !sentinels.iter().all(same) {
             return Err(BackendError::SentinelsDisagree);
         }
-        let own = sentinel_password.map_or_else(RedisConnectionInfo::default, |p| {
-            RedisConnectionInfo::default().set_password(p)
-        });
-        let sentinels: Vec<ConnectionInfo> = sentinels
-            .into_iter()
-            .map(|info| {
-                info.set_redis_settings(own.clone())
-                    .set_tcp_settings(super::connect::tcp_settings())
-            })
-            .collect();
-        let sentinel =
-            Sentinel::build(sentinels).map_err(super::connect::failed("sentinels", &[]))?;
-        let mut node = SentinelNodeConnectionInfo::default()
-            .set_redis_connection_info(master.clone())
-            .set_tcp_settings(super::connect::tcp_settings());
+        let tcp = super::connect::tcp_settings();
+        let addrs = sentinels.iter().map(|info| info.addr().clone());
+        let failed = || super::connect::failed("sentinels", &[]);
+        let mut builder =
+            SentinelClientBuilder::new(addrs, master_name, SentinelServerType::Master)
+                .map_err(failed())?
+                .set_client_to_sentinel_tcp_settings(tcp.clone())
+                .set_client_to_redis_tcp_settings(tcp)
+                .set_client_to_redis_db(master.db())
+                .set_client_to_redis_protocol(master.protocol());
+        if let Some(username) = master.username() {
+            builder = builder.set_client_to_redis_username(username);
+        }
+        if let Some(password) = master.password() {
+            builder = builder.set_client_to_redis_password(password);
+        }
+        if let Some(password) = sentinel_password {
+            builder = builder.set_client_to_sentinel_password(password);
+        }
         if let Some(mode) = tls {
-            node = node.set_tls_mode(mode);
+            builder = builder.set_client_to_redis_tls_mode(mode);
+            if let Some(certs) = certs {
+                builder = builder
+                    .set_client_to_sentinel_certificates(certs.clone())
+                    .set_client_to_redis_certificates(certs);
+            }
         }
         Ok(Follower {
-            sentinel: tokio::sync::Mutex::new(sentinel),
+            sentinel: tokio::sync::Mutex::new(builder.build().map_err(failed())?),
             master_name: master_name.to_string(),
-            node,
             db: master.db(),
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(timeout))
@@ -151,9 +161,7 @@ impl Follower {
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        let client = sentinel
-            .async_master_for(&self.master_name, Some(&self.node))
-            .await?;
+        let client = sentinel.async_get_client().await?;
         let conn = client
             .get_multiplexed_async_connection_with_config(&self.config)
             .await?;
