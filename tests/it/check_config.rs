@@ -141,3 +141,53 @@ async fn intercept_hosts_that_connect_ports_never_reach_are_warned_of() {
     assert_eq!(code, Some(0), "{stderr}");
     assert!(!stderr.contains("warning:"), "{stderr}");
 }
+
+/// `[backend] ca_file` (and the client certificate) is read like `[proxy] ca_file`: a
+/// missing file or one without a certificate is refused at its line, and so is a
+/// `ca_file` that no `rediss://` URL would use.
+#[tokio::test]
+async fn backend_tls_files_are_refused_at_their_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.pem");
+    let not_pem = write_file(dir.path(), "not.pem", "not a certificate\n");
+    let shown = |p: &std::path::Path| format!("{:?}", p.display().to_string());
+    let backend = |url: &str, ca: &std::path::Path| {
+        format!(
+            "[backend]\nkind = \"redis\"\nurl = \"{url}\"\nca_file = {}\n",
+            shown(ca)
+        )
+    };
+    let cases = [
+        (backend("rediss://127.0.0.1:1", &missing), ":4:11: ca_file "),
+        (backend("rediss://127.0.0.1:1", &not_pem), ":4:11: ca_file "),
+        (
+            backend("redis://127.0.0.1:1", &not_pem),
+            ":4:11: ca_file is for rediss:// connections",
+        ),
+    ];
+    for (i, (text, at)) in cases.into_iter().enumerate() {
+        let config = write_file(dir.path(), &format!("c{i}.toml"), &text);
+        let (code, _, stderr) = tollgate(&["check-config".as_ref(), config.as_os_str()]).await;
+        assert_eq!(code, Some(64), "{text}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{}{at}", config.display())),
+            "{text}: {stderr}"
+        );
+    }
+    let config = write_file(
+        dir.path(),
+        "run.toml",
+        &backend("rediss://127.0.0.1:1", &not_pem),
+    );
+    let listen = "127.0.0.1:0".to_string();
+    let args = [
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--listen".as_ref(),
+        listen.as_ref(),
+    ];
+    let (code, _, stderr) = tollgate(&args).await;
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains("no PEM certificate found"), "{stderr}");
+    assert!(!stderr.contains("listening"), "{stderr}");
+}

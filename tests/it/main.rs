@@ -25,6 +25,7 @@ mod promise_waits;
 mod pushback;
 mod real_limiters;
 mod redis_ha;
+mod redis_tls;
 mod reload;
 mod routes;
 mod shared;

@@ -15,6 +15,7 @@ mod misbehave;
 mod proxy;
 mod redis_ha;
 mod redis_server;
+mod redis_tls;
 mod sockets;
 mod tls;
 mod upstream;
@@ -24,7 +25,7 @@ mod waits;
 #[allow(unused_imports)]
 pub use {
     binary::*, bodies::*, clients::*, external::*, misbehave::*, proxy::*, redis_ha::*,
-    redis_server::*, sockets::*, tls::*, upstream::*, waits::*,
+    redis_server::*, redis_tls::*, sockets::*, tls::*, upstream::*, waits::*,
 };
 
 /// 127.0.0.1, where everything listens unless a test asks for another loopback address.

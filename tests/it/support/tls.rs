@@ -15,6 +15,9 @@ pub struct TestCa {
     cert_pem: String,
     key_pem: String,
     dir: tempfile::TempDir,
+    /// The CA's own parameters and key, to sign client certificates later.
+    ca_params: rcgen::CertificateParams,
+    ca_key: rcgen::KeyPair,
 }
 
 impl TestCa {
@@ -60,7 +63,27 @@ impl TestCa {
             cert_pem: cert.pem(),
             key_pem: key.serialize_pem(),
             dir,
+            ca_params: ca,
+            ca_key,
         }
+    }
+
+    /// Writes a client certificate this CA signed (for mutual TLS) and its key as
+    /// `client.pem` and `client-key.pem` in `dir`, and returns their paths.
+    pub fn write_client_pem(&self, dir: &std::path::Path) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+        let key = KeyPair::generate().expect("client key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "tollgate test client");
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let issuer = rcgen::Issuer::from_params(&self.ca_params, &self.ca_key);
+        let cert = params.signed_by(&key, &issuer).expect("client certificate");
+        let (cert_path, key_path) = (dir.join("client.pem"), dir.join("client-key.pem"));
+        std::fs::write(&cert_path, cert.pem()).expect("write client.pem");
+        std::fs::write(&key_path, key.serialize_pem()).expect("write client-key.pem");
+        (cert_path, key_path)
     }
 
     /// Writes the server certificate and its key as `cert.pem` and `key.pem` in `dir`.
