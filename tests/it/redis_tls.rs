@@ -117,6 +117,22 @@ async fn a_client_certificate_is_shown_to_a_redis_that_asks_for_one() {
     assert_shared_through(&redis, &mutual).await;
 }
 
+/// Sentinel over TLS: the sentinel and the master it names (which the client checks
+/// the role of before handing it over) both take `ca_file`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_and_its_master_of_a_private_ca_are_reached_with_ca_file() {
+    let ca = TestCa::new();
+    let redis = RedisTls::start(&ca, false).await;
+    let sentinel = redis.sentinel("main").await;
+    let at = format!(
+        "sentinels = [\"rediss://127.0.0.1:{}\"]\nmaster_name = \"main\"",
+        sentinel.port
+    );
+    assert_refused_by(&redis, &at, "UnknownIssuer").await;
+    let with_ca = format!("{at}\nca_file = {}", quoted(&ca.ca_pem_path()));
+    assert_shared_through(&redis, &with_ca).await;
+}
+
 /// A reload reads `ca_file` again, and refuses a file that became unusable at its
 /// line, keeping the configuration in force.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

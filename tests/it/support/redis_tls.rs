@@ -1,6 +1,7 @@
 //! A redis-server that speaks TLS alone, with a certificate of a throwaway private CA
 //! ([`TestCa`]), on a loopback port the kernel chose free; killed by its PID when
-//! dropped. Debian's redis-server is built with TLS.
+//! dropped; and a `redis-sentinel` watching it, over TLS too. Debian's redis-server is
+//! built with TLS.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -15,7 +16,40 @@ pub struct RedisTls {
     ca: PathBuf,
     /// The client certificate and key it trusts, when it asks clients for one.
     client: Option<(PathBuf, PathBuf)>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+}
+
+/// A `redis-sentinel` speaking TLS alone, watching a [`RedisTls`] over TLS; killed by
+/// its PID when dropped.
+pub struct SentinelTls {
+    child: Option<Child>,
+    pub port: u16,
+}
+
+/// A port the kernel chose free a moment ago: `--tls-port 0` turns TLS off, and a
+/// sentinel announces its port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind((LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+fn spawn(program: &str, args: &[&str]) -> Child {
+    Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program} runs (scripts/test installs it): {e}"))
+}
+
+fn kill(child: &mut Option<Child>) {
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 impl RedisTls {
@@ -26,11 +60,7 @@ impl RedisTls {
         let dir = tempfile::tempdir().expect("a temporary directory");
         ca.write_server_pem(dir.path());
         let client = auth_clients.then(|| ca.write_client_pem(dir.path()));
-        // `--tls-port 0` turns TLS off: the kernel picks a free port a moment before.
-        let port = std::net::TcpListener::bind((LOCALHOST, 0))
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let at = |name: &str| dir.path().join(name).display().to_string();
         let args = [
             "--port",
@@ -54,19 +84,12 @@ impl RedisTls {
             "--dir",
             &at(""),
         ];
-        let child = Command::new("redis-server")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server runs (scripts/test installs it)");
         let server = RedisTls {
-            child: Some(child),
+            child: Some(spawn("redis-server", &args)),
             port,
             ca: ca.ca_pem_path(),
             client,
-            _dir: dir,
+            dir,
         };
         let up = within_bound(async || server.ask::<String>(&["PING"]).await.ok()).await;
         assert!(
@@ -88,6 +111,51 @@ impl RedisTls {
 
     /// Sends `args` over TLS, trusting the test CA alone, within a few seconds.
     pub async fn ask<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
+        self.ask_at(self.port, args).await
+    }
+
+    /// Starts a sentinel that knows it as `master_name`, over TLS (with its server
+    /// certificate, as a client certificate if asked), and waits until the sentinel
+    /// sees it up.
+    pub async fn sentinel(&self, master_name: &str) -> SentinelTls {
+        let port = free_port();
+        let at = |name: &str| self.dir.path().join(name).display().to_string();
+        let conf = write_file(
+            self.dir.path(),
+            "sentinel.conf",
+            &format!(
+                "port 0\nbind 127.0.0.1\ndir {dir}\ntls-port {port}\n\
+                 tls-cert-file {cert}\ntls-key-file {key}\ntls-ca-cert-file {ca}\n\
+                 tls-auth-clients no\ntls-replication yes\n\
+                 sentinel monitor {master_name} 127.0.0.1 {master} 1\n",
+                dir = at(""),
+                cert = at("cert.pem"),
+                key = at("key.pem"),
+                ca = self.ca.display(),
+                master = self.port,
+            ),
+        );
+        let sentinel = SentinelTls {
+            child: Some(spawn("redis-sentinel", &[conf.to_str().unwrap()])),
+            port,
+        };
+        let watching = within_bound(async || {
+            let args = ["SENTINEL", "MASTER", master_name];
+            let fields: Vec<String> = self.ask_at(port, &args).await.ok()?;
+            let flags = fields.iter().skip_while(|f| *f != "flags").nth(1)?;
+            (flags == "master").then_some(())
+        })
+        .await;
+        assert!(watching.is_some(), "the sentinel never saw its master up");
+        sentinel
+    }
+
+    /// Sends `args` to the TLS port `port` (this server's, or its sentinel's).
+    async fn ask_at<T: redis::FromRedisValue>(
+        &self,
+        port: u16,
+        args: &[&str],
+    ) -> redis::RedisResult<T> {
         let read = |path: &PathBuf| std::fs::read(path).expect("PEM file");
         let certs = redis::TlsCertificates {
             client_tls: self
@@ -100,7 +168,8 @@ impl RedisTls {
             root_cert: Some(read(&self.ca)),
         };
         let call = async {
-            let client = redis::Client::build_with_tls(self.url(), certs)?;
+            let url = format!("rediss://127.0.0.1:{port}");
+            let client = redis::Client::build_with_tls(url, certs)?;
             let mut conn = client.get_multiplexed_async_connection().await?;
             redis::cmd(args[0])
                 .arg(&args[1..])
@@ -116,9 +185,12 @@ impl RedisTls {
 
 impl Drop for RedisTls {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill(&mut self.child);
+    }
+}
+
+impl Drop for SentinelTls {
+    fn drop(&mut self) {
+        kill(&mut self.child);
     }
 }
