@@ -52,13 +52,19 @@ async fn backend_up(tollgate: &Tollgate) -> serde_json::Value {
     status["backend"]["up"].clone()
 }
 
-async fn budget_keys(redis: &RedisTls) -> Vec<String> {
-    redis.ask(&["KEYS", "tollgate:{api}:*"]).await.unwrap()
+/// The budget's keys on every node of `redis`.
+async fn budget_keys(redis: &[RedisTls]) -> Vec<String> {
+    let mut keys = Vec::new();
+    for node in redis {
+        let some: Vec<String> = node.ask(&["KEYS", "tollgate:{api}:*"]).await.unwrap();
+        keys.extend(some);
+    }
+    keys
 }
 
 /// Every request reaches the upstream through Redis (deny mode: none would without
 /// it), the budget's keys are in that Redis, and the backend shows up.
-async fn assert_shared_through(redis: &RedisTls, backend: &str) {
+async fn assert_shared_through(redis: &[RedisTls], backend: &str) {
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
     let tollgate = Tollgate::start(&config(backend)).await;
     let statuses = get(&tollgate, &upstream, 5).await;
@@ -74,7 +80,7 @@ async fn assert_shared_through(redis: &RedisTls, backend: &str) {
 
 /// Nothing reaches the upstream: Redis is down for tollgate, which says why in its
 /// log (`reason`), and nothing of the budget is in Redis.
-async fn assert_refused_by(redis: &RedisTls, backend: &str, reason: &str) {
+async fn assert_refused_by(redis: &[RedisTls], backend: &str, reason: &str) {
     let upstream = Upstream::start(|_| Reply::ok("ok")).await;
     let mut tollgate = Tollgate::start(&config(backend)).await;
     let statuses = get(&tollgate, &upstream, 2).await;
@@ -92,9 +98,9 @@ async fn a_redis_of_a_private_ca_is_reached_with_ca_file_alone() {
     let redis = RedisTls::start(&ca, false).await;
     let url = format!("url = {:?}", redis.url());
     // The web roots alone do not know the private CA.
-    assert_refused_by(&redis, &url, "UnknownIssuer").await;
+    assert_refused_by(std::slice::from_ref(&redis), &url, "UnknownIssuer").await;
     let with_ca = format!("{url}\nca_file = {}", quoted(&ca.ca_pem_path()));
-    assert_shared_through(&redis, &with_ca).await;
+    assert_shared_through(std::slice::from_ref(&redis), &with_ca).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,13 +114,18 @@ async fn a_client_certificate_is_shown_to_a_redis_that_asks_for_one() {
         quoted(&ca.ca_pem_path())
     );
     // Trusting the server is not enough: it hangs up on a client without a certificate.
-    assert_refused_by(&redis, &with_ca, "CertificateRequired").await;
+    assert_refused_by(
+        std::slice::from_ref(&redis),
+        &with_ca,
+        "CertificateRequired",
+    )
+    .await;
     let mutual = format!(
         "{with_ca}\nclient_cert_file = {}\nclient_key_file = {}",
         quoted(&cert),
         quoted(&key)
     );
-    assert_shared_through(&redis, &mutual).await;
+    assert_shared_through(std::slice::from_ref(&redis), &mutual).await;
 }
 
 /// Sentinel over TLS: the sentinel and the master it names (which the client checks
@@ -128,9 +139,23 @@ async fn a_sentinel_and_its_master_of_a_private_ca_are_reached_with_ca_file() {
         "sentinels = [\"rediss://127.0.0.1:{}\"]\nmaster_name = \"main\"",
         sentinel.port
     );
-    assert_refused_by(&redis, &at, "UnknownIssuer").await;
+    assert_refused_by(std::slice::from_ref(&redis), &at, "UnknownIssuer").await;
     let with_ca = format!("{at}\nca_file = {}", quoted(&ca.ca_pem_path()));
-    assert_shared_through(&redis, &with_ca).await;
+    assert_shared_through(std::slice::from_ref(&redis), &with_ca).await;
+}
+
+/// A Redis Cluster over TLS: the seeds and the nodes discovered from them take
+/// `ca_file`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_of_a_private_ca_is_reached_with_ca_file() {
+    let ca = TestCa::new();
+    let nodes = RedisTls::cluster(&ca).await;
+    // One seed: the other two masters are found through it.
+    let at = format!("cluster = [{:?}]", nodes[0].url());
+    // The cluster client does not pass on why no seed could be reached.
+    assert_refused_by(&nodes, &at, "No connections found").await;
+    let with_ca = format!("{at}\nca_file = {}", quoted(&ca.ca_pem_path()));
+    assert_shared_through(&nodes, &with_ca).await;
 }
 
 /// A reload reads `ca_file` again, and refuses a file that became unusable at its

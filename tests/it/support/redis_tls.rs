@@ -57,12 +57,36 @@ impl RedisTls {
     /// refuses clients without a certificate `ca` signed. Waits until it answers PING
     /// over TLS.
     pub async fn start(ca: &TestCa, auth_clients: bool) -> RedisTls {
+        RedisTls::start_with(ca, auth_clients, None).await
+    }
+
+    /// [`RedisTls::start`], a node of a cluster if given its bus port: the bus is TLS
+    /// too, and always asks the other nodes for a client certificate.
+    async fn start_with(ca: &TestCa, auth_clients: bool, bus: Option<u16>) -> RedisTls {
         let dir = tempfile::tempdir().expect("a temporary directory");
         ca.write_server_pem(dir.path());
-        let client = auth_clients.then(|| ca.write_client_pem(dir.path()));
+        let client_pem = ca.write_client_pem(dir.path());
+        let client = auth_clients.then(|| client_pem.clone());
         let port = free_port();
         let at = |name: &str| dir.path().join(name).display().to_string();
-        let args = [
+        let bus = bus.map(|p| p.to_string());
+        let (client_cert, client_key) = (at("client.pem"), at("client-key.pem"));
+        let cluster = match &bus {
+            Some(bus) => vec![
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                bus,
+                "--tls-cluster",
+                "yes",
+                "--tls-client-cert-file",
+                &client_cert,
+                "--tls-client-key-file",
+                &client_key,
+            ],
+            None => vec![],
+        };
+        let base = [
             "--port",
             "0",
             "--bind",
@@ -84,6 +108,7 @@ impl RedisTls {
             "--dir",
             &at(""),
         ];
+        let args: Vec<&str> = base.iter().chain(&cluster).copied().collect();
         let server = RedisTls {
             child: Some(spawn("redis-server", &args)),
             port,
@@ -148,6 +173,39 @@ impl RedisTls {
         .await;
         assert!(watching.is_some(), "the sentinel never saw its master up");
         sentinel
+    }
+
+    /// Three of them, masters of a Redis Cluster (no replicas) that also talk to each
+    /// other over TLS; waits until every one says the cluster is ok.
+    pub async fn cluster(ca: &TestCa) -> Vec<RedisTls> {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(RedisTls::start_with(ca, false, Some(free_port())).await);
+        }
+        let mut create = clean_command("redis-cli", &[]);
+        create.arg("--tls").arg("--cacert").arg(ca.ca_pem_path());
+        create.args(["--cluster", "create"]);
+        create.args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = tokio::time::timeout(BOUND, create.output())
+            .await
+            .expect("redis-cli --cluster create finished in time")
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let ok = within_bound(async || {
+            for node in &nodes {
+                let info: String = node.ask(&["CLUSTER", "INFO"]).await.ok()?;
+                info.contains("cluster_state:ok").then_some(())?;
+            }
+            Some(())
+        })
+        .await;
+        assert!(ok.is_some(), "the TLS cluster never came up");
+        nodes
     }
 
     /// Sends `args` to the TLS port `port` (this server's, or its sentinel's).
