@@ -188,7 +188,10 @@ mod tests {
     async fn each_key_keeps_its_own_pace() {
         let limit = limit(|_| {});
         let (a, b) = (keyed(&limit, "Bearer a"), keyed(&limit, "Bearer b"));
-        assert!(Arc::ptr_eq(&a, &keyed(&limit, "Bearer a")), "one group per key");
+        assert!(
+            Arc::ptr_eq(&a, &keyed(&limit, "Bearer a")),
+            "one group per key"
+        );
         assert_eq!(&a.name[..3], "gh/");
         let start = Instant::now();
         // Ten requests each, at 10/s each: both keys done within a second, together.
@@ -199,7 +202,10 @@ mod tests {
                 departed.push(start.elapsed());
             }
         }
-        assert!(departed.last().unwrap() < &Duration::from_secs(1), "{departed:?}");
+        assert!(
+            departed.last().unwrap() < &Duration::from_secs(1),
+            "{departed:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -278,7 +284,11 @@ mod tests {
         }
         let last_b = order.iter().rposition(|(n, _)| *n == "B").unwrap();
         assert!(last_b <= 3 + 10, "{order:?}");
-        let a: Vec<usize> = order.iter().filter(|(n, _)| *n == "A").map(|(_, i)| *i).collect();
+        let a: Vec<usize> = order
+            .iter()
+            .filter(|(n, _)| *n == "A")
+            .map(|(_, i)| *i)
+            .collect();
         assert_eq!(a, (0..30).collect::<Vec<_>>());
     }
 

@@ -14,6 +14,7 @@ mod faults;
 mod forward;
 mod fuzz_seeds;
 mod intercept;
+mod keys;
 mod limiters;
 mod llm;
 mod operate;

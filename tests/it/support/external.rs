@@ -118,6 +118,13 @@ impl External {
 
     /// Every request it answered: (seconds on its clock, status), in arrival order.
     pub fn answered(&self) -> Vec<(f64, u16)> {
+        let answered = self.answered_by();
+        answered.into_iter().map(|(t, s, _)| (t, s)).collect()
+    }
+
+    /// Every request it answered: (seconds on its clock, status, the rest of its line:
+    /// the caller, for the programs that print one), in arrival order.
+    pub fn answered_by(&self) -> Vec<(f64, u16, String)> {
         let lines = match &self.log_file {
             Some(file) => std::fs::read_to_string(file)
                 .unwrap_or_default()
@@ -126,10 +133,11 @@ impl External {
                 .collect(),
             None => self.lines.lock().unwrap().clone(),
         };
-        let mut answered: Vec<(f64, u16)> = lines
+        let mut answered: Vec<(f64, u16, String)> = lines
             .iter()
             .filter_map(|line| {
-                let (time, status) = line.split_once(' ')?;
+                let mut fields = line.split_whitespace();
+                let (time, status) = (fields.next()?, fields.next()?);
                 let time: f64 = time.parse().ok()?;
                 // nanoseconds from the programs that print them, seconds from nginx
                 let seconds = if self.log_file.is_some() {
@@ -137,7 +145,8 @@ impl External {
                 } else {
                     time / 1e9
                 };
-                Some((seconds, status.trim().parse().ok()?))
+                let rest = fields.collect::<Vec<_>>().join(" ");
+                Some((seconds, status.parse().ok()?, rest))
             })
             .collect();
         answered.sort_by(|a, b| a.0.total_cmp(&b.0));
