@@ -357,3 +357,64 @@ fn sha256_prefix(text: &str) -> String {
     let out = child.wait_with_output().unwrap();
     String::from_utf8(out.stdout).unwrap()[..16].to_string()
 }
+
+/// `key = "model"` gives each model its own token budget: a model that spent its
+/// tokens waits, and a request for another model goes on at once.
+#[tokio::test]
+async fn each_model_spends_its_own_tokens() {
+    // An answer that reports no usage: each request costs its estimate.
+    let upstream = Upstream::start(|_| Reply::ok("{}")).await;
+    let proxy = Tollgate::start(
+        r#"
+        [admin]
+        listen = "127.0.0.1:0"
+        [[limit]]
+        name = "llm"
+        hosts = ["127.0.0.1"]
+        llm = "openai"
+        tokens = "2000/4s"
+        key = "model"
+        "#,
+    )
+    .await;
+    let admin = proxy.admin.expect("admin listener");
+    let client = client_via(&proxy.url());
+    let ask = |model: &'static str, n: usize| {
+        let body = format!(r#"{{"model":"{model}","max_tokens":950,"messages":[]}}"#);
+        let url = upstream.url(&format!("/v1/chat/completions?{model}-{n}"));
+        let sent = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send();
+        async move { sent.await.unwrap().status().as_u16() }
+    };
+    // Two of model a's spend its 2000; its third waits for them to come back.
+    assert_eq!(ask("a", 1).await, 200);
+    assert_eq!(ask("a", 2).await, 200);
+    let third = tokio::spawn(ask("a", 3));
+    let waiting = within_bound(async || {
+        let status = group_status(admin, "llm").await;
+        let busiest = status["keys"]["busiest"].as_array()?.clone();
+        busiest
+            .iter()
+            .any(|k| k["queued"].as_u64() == Some(1))
+            .then_some(())
+    })
+    .await;
+    assert!(waiting.is_some(), "model a's third request never queued");
+    assert_eq!(ask("b", 1).await, 200);
+    assert_eq!(third.await.unwrap(), 200);
+    let paths = upstream.paths();
+    assert_eq!(
+        paths,
+        [
+            "/v1/chat/completions?a-1",
+            "/v1/chat/completions?a-2",
+            "/v1/chat/completions?b-1",
+            "/v1/chat/completions?a-3"
+        ]
+    );
+    let status = group_status(admin, "llm").await;
+    assert_eq!(status["keys"]["count"], 2, "{status}");
+}
