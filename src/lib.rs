@@ -86,9 +86,11 @@ pub mod parts {
     pub use crate::classify::Classifier;
     pub use crate::host::canonical;
     pub use crate::intercept::{Ca, Leaves, LEAF_CACHE};
+    pub use crate::limit::fair::Flow;
     pub use crate::limit::gcra::{self, Gcra};
+    pub use crate::limit::keys::id_of;
     pub use crate::limit::redis::{PAUSE, PAUSE_KEYS, RESERVE, RESERVE_KEYS};
-    pub use crate::limit::{Group, Limits, Permit, Store};
+    pub use crate::limit::{Cost, Group, Limits, Permit, Store};
     pub use crate::llm::{estimate, usage::Scanner};
     pub use crate::metrics::Metrics;
     pub use crate::ratelimit_headers::pause_hint;

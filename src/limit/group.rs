@@ -94,7 +94,8 @@ pub(super) struct State {
     pub(super) pause: Pause,
     pub(super) budget: Budget,
     /// The token buckets, in a group that counts tokens (docs/tokens.md).
-    pub(super) tokens: Option<TokenBudget>,
+    /// Boxed: most groups count no tokens, and a key's group is one of thousands.
+    pub(super) tokens: Option<Box<TokenBudget>>,
     /// The pace changed here and the shared store has not been told yet: the next
     /// booking (or pause) publishes it.
     pub(super) publish: bool,

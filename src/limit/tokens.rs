@@ -412,10 +412,10 @@ pub(super) fn token_budget(
     settings: &GroupSettings,
     store: &Store,
     now: Instant,
-) -> Option<TokenBudget> {
+) -> Option<Box<TokenBudget>> {
     let share = 1.0 / f64::from(store.replicas());
     let counted = settings.tokens.counted();
-    counted.then(|| TokenBudget::new(&settings.tokens, share, now))
+    counted.then(|| Box::new(TokenBudget::new(&settings.tokens, share, now)))
 }
 
 impl State {
