@@ -529,7 +529,9 @@ async fn a_waiting_request_on_a_kept_alive_connection_whose_client_left_is_never
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_in_pieces_and_one_pipelined_behind_it_reach_the_upstream_whole() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let upstream = upstream_holding(Duration::from_millis(500)).await;
+    // Held long enough for the three pieces below to arrive on a loaded machine:
+    // the permit must still be taken when the request is whole, or it never queues.
+    let upstream = upstream_holding(Duration::from_secs(3)).await;
     let proxy = start_proxy_with_admin(ONE_AT_A_TIME).await;
     let authority = upstream.authority();
     let held = hold_the_permit(&proxy, &upstream).await;

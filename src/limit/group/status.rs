@@ -168,6 +168,9 @@ impl Group {
         let busiest = (all.iter().take(BUSIEST))
             .map(|(_, key)| {
                 let mut status = key.status();
+                // A key's group shares its limit's settings, `key` included, but
+                // has no keys of its own.
+                status.keys = None;
                 let digits = key.name.rsplit('/').next().unwrap_or_default();
                 status.label = (settings.keys.key_labels.iter())
                     .find(|(prefix, _)| digits.starts_with(prefix.as_str()))
