@@ -9,8 +9,9 @@
 //! with, the proxied traffic.
 //!
 //! The dashboard is one static page compiled into the binary (`admin/dashboard.html`)
-//! that polls `/status`; the only history behind it is the last minute of departures
-//! per second of each group (`admin/history.rs`), sampled here once a second.
+//! that polls `/status`, and `/history?group=<name>` for the charts of the groups it
+//! draws; the only history behind them is the last 15 minutes of each group
+//! (`admin/history.rs`), sampled here once a second.
 
 mod history;
 
@@ -29,7 +30,7 @@ use tokio::time::{interval, Duration, MissedTickBehavior};
 use crate::body::{self, Body};
 use crate::limit::Group;
 use crate::proxy::Proxy;
-use history::History;
+use history::{History, Reading};
 
 /// The dashboard: HTML, CSS and JS in one file, no external resources.
 const DASHBOARD: &str = include_str!("admin/dashboard.html");
@@ -45,7 +46,8 @@ pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, shutdown: impl Futu
             _ = &mut shutdown => return,
             _ = second.tick() => {
                 let groups = proxy.limits().groups();
-                history.record(groups.iter().map(|g| (g.name.clone(), g.metrics.admitted.get())));
+                let followed = groups.iter().take(history::MAX_GROUPS);
+                history.record(followed.map(|g| (g.name.clone(), reading(g))));
                 continue;
             }
             accepted = listener.accept() => match accepted {
@@ -101,6 +103,21 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
             ),
             Err(e) => (StatusCode::BAD_REQUEST, "text/plain", format!("{e}\n")),
         },
+        (&Method::GET, "/history") => match group_param(req.uri().query()) {
+            Some(group) => match history.series(&group) {
+                Some(json) => (StatusCode::OK, "application/json", format!("{json}\n")),
+                None => (
+                    StatusCode::NOT_FOUND,
+                    "text/plain",
+                    "no history for that group (yet)\n".to_string(),
+                ),
+            },
+            None => (
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                "GET /history?group=<name>\n".to_string(),
+            ),
+        },
         (&Method::GET, "/status") => {
             let json = status(proxy, history);
             (StatusCode::OK, "application/json", format!("{json:#}\n"))
@@ -108,8 +125,8 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",
-            "tollgate admin: GET / (dashboard), /metrics, /healthz, /readyz or /status; \
-             POST /reload\n"
+            "tollgate admin: GET / (dashboard), /metrics, /healthz, /readyz, /status or \
+             /history?group=<name>; POST /reload\n"
                 .to_string(),
         ),
     };
@@ -132,6 +149,48 @@ fn metrics(proxy: &Proxy) -> String {
     proxy.metrics().encode()
 }
 
+/// What the once-a-second sampler reads of `group`: counters and the moment's state,
+/// nothing that the request path keeps for it.
+fn reading(group: &Group) -> Reading {
+    let status = group.status();
+    let metrics = &group.metrics;
+    let (waits, waited) = metrics.queue_wait.read();
+    let statuses = metrics.upstream.statuses();
+    let count = |codes: std::ops::RangeInclusive<u16>| statuses.range(codes).map(|(_, n)| n).sum();
+    Reading {
+        departures: metrics.admitted.get(),
+        queued: status.queued,
+        pace: status.pace_in_force_per_second,
+        paused: status.paused_for_seconds.is_some(),
+        waits,
+        waited,
+        refused: count(429..=429),
+        failed: count(500..=599),
+    }
+}
+
+/// The group named by `group=` in a query string, percent-decoded (names are host
+/// names and `[[limit]]` names, which may hold any character).
+fn group_param(query: Option<&str>) -> Option<String> {
+    let value = query?.split('&').find_map(|p| p.strip_prefix("group="))?;
+    let mut bytes = Vec::with_capacity(value.len());
+    let mut rest = value.as_bytes();
+    while let Some((&b, tail)) = rest.split_first() {
+        let hex = |i: usize| char::from(*tail.get(i)?).to_digit(16);
+        match (b, hex(0), hex(1)) {
+            (b'%', Some(hi), Some(lo)) => {
+                bytes.push((hi * 16 + lo) as u8);
+                rest = &tail[2..];
+                continue;
+            }
+            (b'+', _, _) => bytes.push(b' '),
+            _ => bytes.push(b),
+        }
+        rest = tail;
+    }
+    String::from_utf8(bytes).ok()
+}
+
 /// The `/status` document: the backend, and each group's snapshot with its configured
 /// limits and counters beside it.
 fn status(proxy: &Proxy, history: &History) -> serde_json::Value {
@@ -150,7 +209,7 @@ fn status(proxy: &Proxy, history: &History) -> serde_json::Value {
 }
 
 /// One group: its own snapshot (whatever fields it has), plus what was configured and
-/// its counters and recent departures.
+/// its counters, recent departures and the waits of its last minute.
 fn group_status(group: &Group, history: &History) -> serde_json::Value {
     let mut json = serde_json::to_value(group.status()).unwrap_or_default();
     let settings = group.settings();
@@ -162,6 +221,7 @@ fn group_status(group: &Group, history: &History) -> serde_json::Value {
         "queue_limit": settings.queue,
         "adaptive": settings.adaptive,
         "departures_per_second": history.per_second(&group.name),
+        "wait_last_minute": history.last_minute(&group.name),
         "upstream_statuses": metrics.upstream.statuses(),
         "counters": {
             "requests_admitted": metrics.requests_admitted.get(),
@@ -182,4 +242,23 @@ fn group_status(group: &Group, history: &History) -> serde_json::Value {
         }
     }
     json
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_param_is_percent_decoded() {
+        let of = |q: &str| group_param(Some(q));
+        assert_eq!(
+            of("group=api.example.com").as_deref(),
+            Some("api.example.com")
+        );
+        assert_eq!(of("x=1&group=a%2Fb%20c+d").as_deref(), Some("a/b c d"));
+        assert_eq!(of("group=%E2%9C%93").as_deref(), Some("✓"));
+        assert_eq!(of("group=50%").as_deref(), Some("50%"));
+        assert_eq!(of("other=1"), None);
+        assert_eq!(group_param(None), None);
+    }
 }

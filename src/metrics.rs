@@ -17,6 +17,9 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry};
 
 mod settings;
+pub mod waits;
+
+pub use waits::WaitHistogram;
 
 /// The label of per-group series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -76,7 +79,7 @@ pub struct Metrics {
     queue_depth: Family<GroupLabel, Gauge>,
     in_flight: Family<GroupLabel, Gauge>,
     requests: Family<OutcomeLabels, Counter>,
-    queue_wait: HistogramFamily,
+    queue_wait: Family<GroupLabel, WaitHistogram>,
     pauses: Family<GroupLabel, Counter>,
     pause_seconds: HistogramFamily,
     retries: Family<GroupLabel, Counter>,
@@ -120,7 +123,7 @@ pub struct GroupMetrics {
     /// Requests to a destination `[access]` refuses, answered before the queue.
     pub denied: Counter,
     /// Time from arrival to departure, in seconds.
-    pub queue_wait: Histogram,
+    pub queue_wait: WaitHistogram,
     /// Pauses imposed by the upstream (429/503 + Retry-After, rate-limit headers).
     pub pauses: Counter,
     /// Their lengths, in seconds.
@@ -370,19 +373,15 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
         let r = &mut registry;
-        // Buckets, in seconds: 1 ms to ~65 s (from "no wait" to the default max_wait,
-        // and up to the default response_timeout); 10 ms to ~11 min (from a short
+        // Buckets, in seconds: 1 ms to ~65 s (up to the default response_timeout, as
+        // the queue waits of `waits::WaitHistogram`); 10 ms to ~11 min (from a short
         // Retry-After to the default max_pause).
         let ms_to_minute = || Histogram::new(exponential_buckets(0.001, 2.0, 17));
         let pause_buckets = || Histogram::new(exponential_buckets(0.01, 2.0, 17));
         let queue_depth = registered(r, QUEUE_DEPTH, Family::default());
         let in_flight = registered(r, IN_FLIGHT, Family::default());
         let requests = registered(r, REQUESTS, Family::default());
-        let queue_wait = registered(
-            r,
-            QUEUE_WAIT,
-            HistogramFamily::new_with_constructor(ms_to_minute),
-        );
+        let queue_wait = registered(r, QUEUE_WAIT, Family::default());
         let pauses = registered(r, PAUSES, Family::default());
         let pause_seconds = registered(
             r,
