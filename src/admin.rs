@@ -104,14 +104,10 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
             Err(e) => (StatusCode::BAD_REQUEST, "text/plain", format!("{e}\n")),
         },
         (&Method::GET, "/history") => match group_param(req.uri().query()) {
-            Some(group) => match history.series(&group) {
-                Some(json) => (StatusCode::OK, "application/json", format!("{json}\n")),
-                None => (
-                    StatusCode::NOT_FOUND,
-                    "text/plain",
-                    "no history for that group (yet)\n".to_string(),
-                ),
-            },
+            Some(group) => {
+                let json = history.series(&group);
+                (StatusCode::OK, "application/json", format!("{json}\n"))
+            }
             None => (
                 StatusCode::BAD_REQUEST,
                 "text/plain",

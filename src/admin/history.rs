@@ -184,17 +184,17 @@ impl History {
         })
     }
 
-    /// Every series of `group`, oldest second first, for `/history`; `None` for a
-    /// group not followed.
-    pub fn series(&self, group: &str) -> Option<serde_json::Value> {
+    /// Every series of `group`, oldest second first, for `/history`; empty ones for a
+    /// group not followed (yet): the page asks for a group as it appears.
+    pub fn series(&self, group: &str) -> serde_json::Value {
         let rings = self.lock();
-        let ring = rings.get(group)?;
-        let s = &ring.samples;
-        let pace: Vec<Option<f32>> = s
-            .iter()
-            .map(|s| Some(s.pace).filter(|p| !p.is_nan()))
+        let none = VecDeque::new();
+        let s = rings.get(group).map_or(&none, |r| &r.samples);
+        // f32 keeps 7 digits: 0.9 comes back as 0.8999999761581421 unless rounded.
+        let pace: Vec<Option<f64>> = (s.iter())
+            .map(|s| Some((f64::from(s.pace) * 1e6).round() / 1e6).filter(|p| !p.is_nan()))
             .collect();
-        Some(serde_json::json!({
+        serde_json::json!({
             "group": group,
             "seconds": s.len(),
             "departures": s.iter().map(|s| s.departed).collect::<Vec<_>>(),
@@ -205,7 +205,7 @@ impl History {
             "paused": s.iter().map(|s| u8::from(s.paused)).collect::<Vec<_>>(),
             "upstream_429": s.iter().map(|s| s.refused).collect::<Vec<_>>(),
             "upstream_5xx": s.iter().map(|s| s.failed).collect::<Vec<_>>(),
-        }))
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Ring>> {
@@ -258,7 +258,7 @@ mod tests {
         // The newest second: n² - (n-1)² = 2n - 1.
         let n = SECONDS as u64 + 10;
         assert_eq!(kept.last(), Some(&(2 * n - 1)));
-        let series = h.series("a").unwrap();
+        let series = h.series("a");
         assert_eq!(series["seconds"], SECONDS);
         assert_eq!(series["departures"].as_array().unwrap().len(), SECONDS);
     }
@@ -282,7 +282,7 @@ mod tests {
         reading.pace = Some(0.0);
         reading.failed = 2;
         h.record([(Arc::from("a"), reading.clone())]);
-        let s = h.series("a").unwrap();
+        let s = h.series("a");
         assert_eq!(s["departures"], serde_json::json!([100, 0]));
         assert_eq!(s["queued"], serde_json::json!([7, 7]));
         assert_eq!(s["pace_in_force"], serde_json::json!([2.0, 0.0]));
@@ -301,6 +301,7 @@ mod tests {
         h.record([(Arc::from("a"), reading.clone())]);
         assert_eq!(h.last_minute("a")["worst_second_p99_seconds"], 0.512);
         assert_eq!(h.last_minute("unknown"), serde_json::Value::Null);
+        assert_eq!(h.series("unknown")["seconds"], 0);
     }
 
     #[test]
