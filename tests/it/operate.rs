@@ -8,6 +8,8 @@ use std::time::Instant;
 
 use crate::support::*;
 
+mod dashboard;
+
 // ---------------------------------------------------------------------------------
 // The dashboard
 // ---------------------------------------------------------------------------------
@@ -38,6 +40,9 @@ async fn headless(url: &str, args: &[&str]) -> String {
         // Virtual time runs the page's timers at once and waits for its fetches: the
         // page has polled when the budget is spent, however slow the machine.
         "--virtual-time-budget=3000",
+        // The page's console (script errors, failed fetches) goes to stderr, checked
+        // below.
+        "--enable-logging=stderr",
     ])
     .arg(format!("--user-data-dir={}", profile.path().display()))
     .args(args)
@@ -54,6 +59,12 @@ async fn headless(url: &str, args: &[&str]) -> String {
         out.status.success(),
         "chromium failed: {}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let console: Vec<&str> = stderr.lines().filter(|l| l.contains(":CONSOLE")).collect();
+    assert!(
+        console.is_empty(),
+        "the page wrote to its console: {console:#?}"
     );
     String::from_utf8(out.stdout).unwrap()
 }
