@@ -191,7 +191,7 @@ async fn dashboard_draws_a_demo_run_and_its_picture() {
     let png = screenshot_path();
     let _ = std::fs::remove_file(&png);
     let shot = format!("--screenshot={}", png.display());
-    headless(&url, &[&shot, "--window-size=1000,1500"]).await;
+    headless(&url, &[&shot, "--window-size=1000,1900"]).await;
     let bytes = std::fs::read(&png).expect("chromium wrote the screenshot");
     assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
     for request in sent {
