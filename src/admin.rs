@@ -46,8 +46,11 @@ pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, shutdown: impl Futu
             _ = &mut shutdown => return,
             _ = second.tick() => {
                 let groups = proxy.limits().groups();
-                let followed = groups.iter().take(history::MAX_GROUPS);
-                history.record(followed.map(|g| (g.name.clone(), reading(g))));
+                // Read before taking the history's lock, which `/status` waits on.
+                let readings: Vec<_> = (groups.iter().take(history::MAX_GROUPS))
+                    .map(|g| (g.name.clone(), reading(g)))
+                    .collect();
+                history.record(readings);
                 continue;
             }
             accepted = listener.accept() => match accepted {
