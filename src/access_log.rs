@@ -3,9 +3,8 @@
 //! [`Record`] is what is known about a request; [`Logged`] wraps the response body,
 //! counts the bytes the client is sent and writes the record when the body ends or is
 //! dropped, so a client that leaves mid-body is seen (`complete=false`), and a request
-//! has one line, never two. The line is a `tracing` event on the `access` target at
-//! `info`: the logger writes it as `key=value` text, or as JSON with
-//! `--log-format json`.
+//! has one line, never two. [`write`] writes it: `key=value` text, or JSON with
+//! `--log-format json`, in batches to stderr.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -18,6 +17,8 @@ use http::{Method, Uri};
 use http_body::{Body as _, Frame, SizeHint};
 
 use crate::body::{Body, BoxError};
+
+pub mod write;
 
 /// Who wrote the response the client got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,8 +88,14 @@ pub struct Record {
 }
 
 impl Record {
-    /// Writes the line.
+    /// Logs the line ([`write`]).
     pub fn emit(&self) {
+        write::emit(self);
+    }
+
+    /// The line as a `tracing` event, for a process that did not ask for
+    /// [`write::to_stderr`].
+    fn event(&self) {
         tracing::info!(
             target: "access",
             client = %self.client,

@@ -74,6 +74,7 @@ mod shutdown;
 mod tunnel;
 mod upstream;
 
+pub use access_log::write::{to_stderr as log_access_to_stderr, Format as AccessLogFormat};
 pub use intercept::{blind as blind_intercept, init as init_ca, InitError};
 pub use server::{run, Sockets};
 

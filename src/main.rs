@@ -296,4 +296,8 @@ fn init_logging(format: LogFormat) {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    tollgate::log_access_to_stderr(match format {
+        LogFormat::Text => tollgate::AccessLogFormat::Text,
+        LogFormat::Json => tollgate::AccessLogFormat::Json,
+    });
 }

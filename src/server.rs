@@ -193,6 +193,8 @@ pub async fn run(
     for (handle, _) in others {
         let _ = handle.join();
     }
+    // The last access lines go before the last line.
+    crate::access_log::write::flush_thread();
     let tally = proxy.shutdown().tally();
     tracing::info!(
         sent = tally.sent,
@@ -302,9 +304,11 @@ async fn serve(
     // and response timeouts), and with nothing else due each would count as earlier: a
     // write to the reactor's eventfd for most forwarded requests.
     // A tick every second keeps a wake-up near, so those timers never need one.
+    // The same tick writes the access lines this thread gathered (`access_log::write`).
     let tick = tokio::spawn(async {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            crate::access_log::write::flush_thread();
         }
     });
     // Every client connection is a task here; `drain` asks them to finish the request

@@ -130,7 +130,15 @@ async fn run(
         .find(|g| g["name"] == "llm")
         .expect("the group")
         .clone();
-    (calls, stats, group, proxy.log())
+    // Access lines reach the log in batches, within about a second.
+    let calls_logged = |log: &str| {
+        let lines = log
+            .lines()
+            .filter(|l| l.contains(" access: ") && l.contains(v1));
+        lines.filter(|l| l.contains("status=200")).count() >= CALLS
+    };
+    let log = within_bound(async || Some(proxy.log()).filter(|log| calls_logged(log))).await;
+    (calls, stats, group, log.unwrap_or_else(|| proxy.log()))
 }
 
 /// Runs `calls` calls from `clients` threads of the `dialect`'s SDK against `base`,
