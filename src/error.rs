@@ -322,7 +322,7 @@ impl ProxyError {
             ProxyError::QueueFull { retry_after, .. }
             | ProxyError::FlowQueueFull { retry_after, .. }
             | ProxyError::QueueTimeout { retry_after, .. } => Some(*retry_after),
-            // A key's budget is dropped after `key_idle` without traffic, at the soonest.
+            // An idle key's budget is dropped within `key_idle`: then there is room.
             ProxyError::TooManyKeys { key_idle, .. } => Some(*key_idle),
             ProxyError::WaitTooLong { ahead, .. } => Some(*ahead),
             // The probe looks twice a second; a second is an honest guess.
@@ -346,6 +346,7 @@ impl ProxyError {
             ProxyAuthRequired => "auth_required",
             AuthBusy => "auth_busy",
             LoopDetected { .. } => "loop",
+            TooManyKeys { .. } => "max_keys",
             _ => return None,
         })
     }

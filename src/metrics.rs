@@ -167,11 +167,11 @@ impl RateSeries {
 
 impl GroupMetrics {
     /// The handles of one key's budget in this group (docs/keys.md): its counts add
-    /// up in the group's series, so the series stay one per group however many keys
-    /// come; its paces, one per key, are shown by `/status` only.
+    /// up in the group's series (and its `/status` counters), so the series stay one
+    /// per group however many keys come; its paces, one per key, are shown by
+    /// `/status` only.
     pub fn for_key(&self) -> GroupMetrics {
         let mut metrics = self.clone();
-        metrics.requests_admitted = Counter::default();
         metrics.learned_pace.family = None;
         metrics.pace_in_force.family = None;
         metrics

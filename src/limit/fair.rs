@@ -40,8 +40,14 @@ pub struct Flow {
 pub struct Flows {
     /// The tag of the request that last took the turn, or left right behind it.
     now: u64,
+    /// The highest tag given since the queue was last empty: a request without a flow
+    /// (its group's `fair_by` removed by a reload) is tagged so, behind those before it.
+    highest: u64,
     /// The flows with requests in the queue; a flow leaves the map with its last.
     flows: HashMap<u64, FlowState>,
+    /// The cost and the weight of all flows together, for [`Flows::cost_ahead`].
+    cost: u64,
+    weight: u64,
 }
 
 #[derive(Debug)]
@@ -66,14 +72,25 @@ impl Flows {
             cost: 0,
             weight: flow.weight,
         });
+        if state.waiting == 0 {
+            self.weight += u64::from(flow.weight);
+        }
         state.waiting += 1;
         state.cost += u64::from(cost);
-        state.weight = flow.weight;
+        self.cost += u64::from(cost);
         if front {
             return 0;
         }
-        state.finish = state.finish.max(now) + u64::from(cost) * UNIT / u64::from(flow.weight);
+        let step = u64::from(cost) * UNIT / u64::from(state.weight);
+        state.finish = state.finish.max(now).saturating_add(step);
+        self.highest = self.highest.max(state.finish);
         state.finish
+    }
+
+    /// The tag of a first attempt without a flow: behind every tag given so far, and 0
+    /// in a group that never had flows, so that its queue is FIFO.
+    pub fn unflowed(&self) -> u64 {
+        self.highest
     }
 
     /// A request of flow `id` left the queue.
@@ -81,10 +98,19 @@ impl Flows {
         if let Some(state) = self.flows.get_mut(&id) {
             state.waiting -= 1;
             state.cost -= u64::from(cost);
+            self.cost -= u64::from(cost);
             if state.waiting == 0 {
+                self.weight -= u64::from(state.weight);
                 self.flows.remove(&id);
             }
         }
+    }
+
+    /// The queue is empty: virtual time starts again from 0, so it never runs out.
+    pub fn restart(&mut self) {
+        debug_assert!(self.flows.is_empty());
+        self.now = 0;
+        self.highest = 0;
     }
 
     /// The request tagged `tag` took the turn (or left behind the head): virtual time
@@ -99,23 +125,18 @@ impl Flows {
     }
 
     /// About the cost that leaves before a request of `flow` costing `cost` that
-    /// joins now: all of its own flow's, and of every other flow what its weight
-    /// leaves in the virtual time until this one's tag.
+    /// joins now: all of its own flow's, and of the other flows what their weight
+    /// leaves in the virtual time until this one's tag. In O(1), under the group's
+    /// lock: the other flows are taken together.
     pub fn cost_ahead(&self, flow: Flow, cost: u32) -> u64 {
         let own = self.flows.get(&flow.id);
+        let (own_cost, own_weight) = own.map_or((0, 0), |s| (s.cost, u64::from(s.weight)));
         let start = own.map_or(self.now, |s| s.finish.max(self.now));
-        let tag = start + u64::from(cost) * UNIT / u64::from(flow.weight);
-        let span = u128::from(tag - self.now);
-        self.flows
-            .iter()
-            .map(|(id, state)| match *id == flow.id {
-                true => state.cost,
-                false => {
-                    let share = span * u128::from(state.weight) / u128::from(UNIT);
-                    state.cost.min(u64::try_from(share).unwrap_or(u64::MAX))
-                }
-            })
-            .sum()
+        let tag = start.saturating_add(u64::from(cost) * UNIT / u64::from(flow.weight));
+        let span = u128::from(tag.saturating_sub(self.now));
+        let (others_cost, others_weight) = (self.cost - own_cost, self.weight - own_weight);
+        let share = span * u128::from(others_weight) / u128::from(UNIT);
+        own_cost + others_cost.min(u64::try_from(share).unwrap_or(u64::MAX))
     }
 
     /// The flows with the most requests waiting, at most `n`: `(id, waiting, weight)`.

@@ -179,10 +179,11 @@ impl Group {
     /// concurrency.
     pub fn reconfigure(&self, settings: GroupSettings) {
         let settings = Arc::new(settings);
+        // The limit first: a key made meanwhile copies the new settings, or is listed.
+        self.reconfigure_shared(settings.clone());
         for key in self.keys.groups() {
             key.reconfigure_shared(settings.clone());
         }
-        self.reconfigure_shared(settings);
     }
 
     fn reconfigure_shared(&self, settings: Arc<GroupSettings>) {

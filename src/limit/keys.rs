@@ -21,6 +21,9 @@ use tokio::time::Instant;
 
 use super::{Group, Refusal};
 
+/// How often a full map is swept for a new key, at most.
+const SWEEP_WHEN_FULL: Duration = Duration::from_secs(1);
+
 /// The keys of one `[[limit]]`.
 pub struct Keys {
     /// When the group was made: last-seen times are kept as milliseconds since.
@@ -34,6 +37,10 @@ struct Map {
     groups: HashMap<u64, Entry>,
     /// Whether a sweeper task is running.
     sweeping: bool,
+    /// When a new key last found the map full and swept it: at most once a second,
+    /// so that values rotated past `max_keys` do not each scan every key under the
+    /// write lock.
+    swept_when_full: Option<Instant>,
 }
 
 struct Entry {
@@ -87,7 +94,13 @@ impl Keys {
         }
         let settings = limit.settings_arc();
         if map.groups.len() >= settings.keys.max_keys {
-            self.sweep(&mut map, now, settings.keys.key_idle);
+            let recently = map
+                .swept_when_full
+                .is_some_and(|at| now < at + SWEEP_WHEN_FULL);
+            if !recently {
+                map.swept_when_full = Some(now);
+                self.sweep(&mut map, now, settings.keys.key_idle);
+            }
             if map.groups.len() >= settings.keys.max_keys {
                 return Err(Refusal::TooManyKeys);
             }
@@ -244,6 +257,42 @@ mod tests {
         settings.rates = vec!["2/s".parse().unwrap()];
         limit.reconfigure(settings);
         assert_eq!(a.settings().rates, limit.settings().rates);
+    }
+
+    /// A reload removes `fair_by` while requests of flows wait: the new ones, without
+    /// a flow, queue behind them, not ahead.
+    #[tokio::test(start_paused = true)]
+    async fn a_reload_that_ends_fairness_keeps_the_waiting_ahead() {
+        let g = limit(|s| s.keys.key = None);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (i, flow) in [Some(1), Some(2), Some(1), None, None]
+            .into_iter()
+            .enumerate()
+        {
+            if i == 3 {
+                let mut settings = (*g.settings_arc()).clone();
+                settings.keys.fair_by = None;
+                g.reconfigure(settings);
+            }
+            let (g, tx) = (g.clone(), tx.clone());
+            let flow = flow.map(|id| Flow { id, weight: 1 });
+            tokio::spawn(async move {
+                let cost = Cost {
+                    requests: 1,
+                    flow,
+                    ..Cost::default()
+                };
+                let _p = g.admit(cost, Instant::now(), false).await.unwrap();
+                tx.send(i).unwrap();
+            });
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        let mut order = Vec::new();
+        while let Some(i) = rx.recv().await {
+            order.push(i);
+        }
+        assert_eq!(order, [0, 1, 2, 3, 4]);
     }
 
     /// Tenant A queues 30 at 10/s; tenant B sends 5 behind them: B's leave within

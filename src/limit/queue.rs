@@ -84,7 +84,8 @@ impl Queue {
     /// whole queue's, or in a fair queue about what leaves before its tag.
     pub fn cost_ahead(&self, flow: Option<Flow>, cost: u32) -> u64 {
         match flow {
-            Some(flow) => self.head_cost + self.flows.cost_ahead(flow, cost),
+            // The head's cost is its flow's until it leaves.
+            Some(flow) => self.flows.cost_ahead(flow, cost),
             None => self.cost,
         }
     }
@@ -239,7 +240,10 @@ impl Place {
         queue.len += 1;
         queue.cost += u64::from(cost);
         group.metrics.queue_depth.inc();
-        let tag = flow.map_or(0, |flow| queue.flows.join(flow, cost, front));
+        let tag = match flow {
+            Some(flow) => queue.flows.join(flow, cost, front),
+            None => queue.flows.unflowed(),
+        };
         let key = queue.key(front, tag);
         let stage = if !queue.turn_taken && queue.waiting.is_empty() {
             queue.turn_taken = true;
@@ -326,6 +330,9 @@ impl Place {
         queue.cost -= u64::from(self.cost);
         if let Some(flow) = self.flow {
             queue.flows.left(flow.id, self.cost);
+        }
+        if queue.len == 0 {
+            queue.flows.restart();
         }
         self.group.metrics.queue_depth.dec();
     }

@@ -53,6 +53,10 @@ pub struct KeysStatus {
     pub count: usize,
     /// `max_keys`.
     pub max_keys: usize,
+    /// Requests queued in all its keys' budgets together.
+    pub queued: usize,
+    /// Requests in flight in all its keys' budgets together.
+    pub in_flight: usize,
     /// The budgets with the most requests queued and in flight, at most [`BUSIEST`];
     /// each named `<limit>/<first 16 hex digits of the key's SHA-256>`.
     pub busiest: Vec<GroupStatus>,
@@ -159,14 +163,19 @@ impl Group {
     fn keys_status(&self) -> KeysStatus {
         let mut all: Vec<_> = (self.keys.groups().into_iter())
             .map(|key| {
-                let load = key.lock().queue.len() + key.in_flight.load(Ordering::Relaxed);
-                (load, key)
+                let queued = key.lock().queue.len();
+                (queued, key.in_flight.load(Ordering::Relaxed), key)
             })
             .collect();
-        all.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.name.cmp(&b.1.name)));
+        let (queued, in_flight) = (all.iter()).fold((0, 0), |(q, f), k| (q + k.0, f + k.1));
+        all.sort_by(|a, b| {
+            (b.0 + b.1)
+                .cmp(&(a.0 + a.1))
+                .then_with(|| a.2.name.cmp(&b.2.name))
+        });
         let settings = self.settings();
         let busiest = (all.iter().take(BUSIEST))
-            .map(|(_, key)| {
+            .map(|(_, _, key)| {
                 let mut status = key.status();
                 // A key's group shares its limit's settings, `key` included, but
                 // has no keys of its own.
@@ -181,6 +190,8 @@ impl Group {
         KeysStatus {
             count: all.len(),
             max_keys: settings.keys.max_keys,
+            queued,
+            in_flight,
             busiest,
         }
     }
