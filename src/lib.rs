@@ -84,6 +84,8 @@ pub use server::{run, Sockets};
 /// stable API: it follows the code.
 pub mod parts {
     pub use crate::access::{Policy, Users};
+    pub use crate::access_log::write::{line as access_line, Format as AccessFormat};
+    pub use crate::access_log::{Answered, Record, Timing};
     pub use crate::classify::Classifier;
     pub use crate::host::canonical;
     pub use crate::intercept::{Ca, Leaves, LEAF_CACHE};

@@ -93,7 +93,7 @@ fn write(pending: &mut Vec<u8>) {
 }
 
 /// Appends `record`'s line, with its newline, to `out`.
-pub(super) fn line(record: &Record, format: Format, out: &mut Vec<u8>) {
+pub fn line(record: &Record, format: Format, out: &mut Vec<u8>) {
     let now = humantime::format_rfc3339_micros(std::time::SystemTime::now());
     let user = record.user.as_deref().unwrap_or("-");
     let group = record.group.as_deref().unwrap_or("-");
