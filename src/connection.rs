@@ -12,6 +12,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Method, Request, Response};
@@ -80,69 +81,82 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 impl Client {
     /// Serves the connection with the HTTP version its first bytes show, until it ends,
     /// `drain` asks it to finish (it then closes after the requests in hand), or `cut`.
-    pub(crate) async fn serve(mut self, stream: TcpStream) {
+    ///
+    /// A plain `fn` returning a block: an `async fn` keeps a second copy of its
+    /// arguments for as long as it runs, and this runs as long as the connection.
+    pub(crate) fn serve(mut self, stream: TcpStream) -> impl Future<Output = ()> + Send {
         let (remote, drain, cut) = (self.remote, self.drain.clone(), self.cut.clone());
-        let first = tokio::select! {
-            first = tokio::time::timeout(self.protocols.header_timeout, first_bytes(&stream)) => first,
-            // A connection accepted just before shutdown may have its request on the way:
-            // it is served if its first bytes come soon after the drain begins.
-            () = async {
-                drain.cancelled().await;
-                tokio::time::sleep(FIRST_BYTES_AT_SHUTDOWN).await;
-            } => return,
-            () = cut.cancelled() => return,
-        };
-        let ended = match first {
-            // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
-            // it would size every connection's task.
-            Ok(Ok(First { h2: true, .. })) => {
-                Box::pin(self.serve_http2(TokioIo::new(stream))).await
+        async move {
+            let first = tokio::select! {
+                first = tokio::time::timeout(self.protocols.header_timeout, first_bytes(&stream)) => first,
+                // A connection accepted just before shutdown may have its request on the way:
+                // it is served if its first bytes come soon after the drain begins.
+                () = async {
+                    drain.cancelled().await;
+                    tokio::time::sleep(FIRST_BYTES_AT_SHUTDOWN).await;
+                } => return,
+                () = cut.cancelled() => return,
+            };
+            let ended = match first {
+                // Boxed: an HTTP/2 connection's state is twice an HTTP/1 one's, and inline
+                // it would size every connection's task.
+                Ok(Ok(First { h2: true, .. })) => {
+                    Box::pin(self.serve_http2(TokioIo::new(stream))).await
+                }
+                Ok(Ok(First { at, head, .. })) => {
+                    self.first_byte = Some(at);
+                    let sending = Arc::new(Sending::default());
+                    self.sending = Some(sending.clone());
+                    let io = HalfClose::new(stream, sending, self.protocols.body_idle, head);
+                    self.serve_http1(TokioIo::new(io)).await
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(%remote, error = %e, "client connection failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%remote, "client sent no request");
+                    return;
+                }
+            };
+            match ended {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    tracing::debug!(%remote, error = %e, "client connection ended with an error")
+                }
+                None => tracing::debug!(%remote, "connection cut at shutdown"),
             }
-            Ok(Ok(First { at, head, .. })) => {
-                self.first_byte = Some(at);
-                let sending = Arc::new(Sending::default());
-                self.sending = Some(sending.clone());
-                let io = HalfClose::new(stream, sending, self.protocols.body_idle, head);
-                self.serve_http1(TokioIo::new(io)).await
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(%remote, error = %e, "client connection failed");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(%remote, "client sent no request");
-                return;
-            }
-        };
-        match ended {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                tracing::debug!(%remote, error = %e, "client connection ended with an error")
-            }
-            None => tracing::debug!(%remote, "connection cut at shutdown"),
         }
     }
 
-    async fn serve_http1<I: Io>(self, io: I) -> Option<Result<(), hyper::Error>> {
+    /// (A plain `fn`, as [`Client::serve`] is.)
+    fn serve_http1<I: Io>(
+        self,
+        io: I,
+    ) -> impl Future<Output = Option<Result<(), hyper::Error>>> + Send {
         let (drain, cut) = (self.drain.clone(), self.cut.clone());
         let client = Arc::new(self);
         let service = {
             let client = client.clone();
             service_fn(move |req: Request<Incoming>| {
-                let client = client.clone();
                 // Now, before hyper reads on: the body stays in the kernel until the
                 // proxy asks for it (see `half_close`).
                 let req = match &client.sending {
                     Some(sending) => req.map(|body| sending.hold(body)),
                     None => req.map(Unread::free),
                 };
-                async move { Ok::<_, Infallible>(client.answer(req).await) }
+                client.answer(req)
             })
         };
-        let conn = http1_for(&client.protocols, client.first_byte)
-            .serve_connection(io, service)
-            .with_upgrades();
-        until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), &cut).await
+        async move {
+            // Built and pinned here: moved into `until_closed` it would take its room
+            // twice there.
+            let conn = http1_for(&client.protocols, client.first_byte)
+                .serve_connection(io, service)
+                .with_upgrades();
+            let conn = std::pin::pin!(conn);
+            until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), &cut).await
+        }
     }
 
     /// hyper's HTTP/2 server has no header timeout, so `client_header_timeout` is kept
@@ -157,7 +171,6 @@ impl Client {
         let service = {
             let (client, idle) = (client.clone(), idle.clone());
             service_fn(move |mut req: Request<Incoming>| {
-                let client = client.clone();
                 let open = Arc::new(Idle::opened(&idle));
                 if req.method() == Method::CONNECT {
                     // A tunnel is an open stream until it closes, long after its `200`.
@@ -165,14 +178,15 @@ impl Client {
                         .insert(KeepWhileOpen::new(open.clone()));
                 }
                 let req = req.map(Unread::free);
+                let answer = client.answer(req);
                 async move {
-                    let response = client.answer(req).await;
+                    let Ok(response) = answer.await;
                     // The stream is open until its response body has been sent.
                     Ok::<_, Infallible>(response.map(|b| body::boxed(Holding::new(b, open))))
                 }
             })
         };
-        let conn = client.protocols.http2.serve_connection(io, service);
+        let conn = std::pin::pin!(client.protocols.http2.serve_connection(io, service));
         let serving = until_closed(conn, |c| c.graceful_shutdown(), drain.cancelled(), &cut);
         let limit = client.protocols.header_timeout;
         let watch = async {
@@ -195,22 +209,20 @@ impl Client {
     /// The proxy's answer to one request of this connection. When it opened an
     /// intercepted tunnel, what the client sends through it is served as a connection of
     /// its own, from when hyper hands the tunnel over.
-    async fn answer(&self, mut req: Request<Unread<Incoming>>) -> Response<Body> {
+    ///
+    /// The request goes to [`Proxy::handle`] now, and the future is a plain one: hyper
+    /// keeps it, in a box of its size, for as long as the request waits, and an `async`
+    /// block here would hold the request, and that future, twice.
+    fn answer(self: &Arc<Self>, mut req: Request<Unread<Incoming>>) -> Answer<impl Handled> {
         if let Some(keep) = &self.keep {
             req.extensions_mut().insert(keep.clone());
         }
         let (local, remote, inside) = (self.local, self.remote, self.inside.as_deref());
         let sending = self.sending.as_ref();
-        let mut response = self.proxy.handle(req, local, remote, inside, sending).await;
-        if let Some(tunnel) = response.extensions_mut().remove::<Intercepted>() {
-            let inner = Client {
-                inside: None,
-                keep: None,
-                ..self.clone()
-            };
-            self.connections.spawn(inner.serve_intercepted(tunnel));
+        Answer {
+            handled: self.proxy.handle(req, local, remote, inside, sending),
+            client: self.clone(),
         }
-        response
     }
 
     /// Serves an intercepted tunnel: TLS with a certificate for its host (or plain
@@ -272,6 +284,40 @@ impl Client {
 /// tunnel.
 trait Io: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static {}
 impl<T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static> Io for T {}
+
+/// What [`Proxy::handle`] returns.
+trait Handled: Future<Output = Response<Body>> + Send + 'static {}
+impl<F: Future<Output = Response<Body>> + Send + 'static> Handled for F {}
+
+pin_project_lite::pin_project! {
+    /// The proxy's answer to one request of a connection; one that opened an
+    /// intercepted tunnel spawns its serving.
+    struct Answer<F> {
+        #[pin]
+        handled: F,
+        client: Arc<Client>,
+    }
+}
+
+impl<F: Handled> Future for Answer<F> {
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = std::task::ready!(this.handled.poll(cx));
+        if let Some(tunnel) = response.extensions_mut().remove::<Intercepted>() {
+            let inner = Client {
+                inside: None,
+                keep: None,
+                ..Client::clone(this.client)
+            };
+            this.client
+                .connections
+                .spawn(inner.serve_intercepted(tunnel));
+        }
+        Poll::Ready(Ok(response))
+    }
+}
 
 /// What a connection's first bytes show, peeked so that hyper reads them again.
 /// (hyper-util's `auto` connection reads them itself and hands them back in front of
@@ -400,7 +446,7 @@ impl Drop for OpenRequest {
 /// Drives a hyper connection to its end; when `drain` completes first, starts its
 /// graceful shutdown (`shut`) and goes on; `None` when `cut` closed it.
 async fn until_closed<C, E>(
-    conn: C,
+    mut conn: Pin<&mut C>,
     shut: impl FnOnce(Pin<&mut C>),
     drain: impl Future<Output = ()>,
     cut: &CancellationToken,
@@ -408,7 +454,6 @@ async fn until_closed<C, E>(
 where
     C: Future<Output = Result<(), E>>,
 {
-    tokio::pin!(conn);
     tokio::select! {
         // The connection first: hyper closes one it is told to shut down before it has
         // read anything, so its first poll must read a request that is already there.

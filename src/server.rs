@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::{TcpListener, TcpSocket};
@@ -348,10 +349,8 @@ async fn serve(
             sending: None,
         };
         let open = proxy.metrics().connection_opened();
-        connections.spawn(async move {
-            client.serve(stream).await;
-            drop(open);
-        });
+        // Chained, not awaited in a block: the task would hold the client twice.
+        connections.spawn(client.serve(stream).map(move |()| drop(open)));
     }
     drop(listener);
     drain_and_cut(&proxy, &connections, &drain, &cut, settings.grace).await;

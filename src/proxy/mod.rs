@@ -100,13 +100,13 @@ impl Proxy {
     /// holds this future in the client's connection for as long as the request waits,
     /// and an `async fn` would keep its arguments there besides what they become.
     pub fn handle(
-        &self,
+        self: &Arc<Self>,
         req: Request<Unread<Incoming>>,
         local: SocketAddr,
         client: SocketAddr,
         inside: Option<&Inside>,
         sending: Option<&Arc<Sending>>,
-    ) -> impl Future<Output = Response<Body>> + Send + '_ {
+    ) -> impl Future<Output = Response<Body>> + Send + 'static {
         let arrived = Instant::now();
         let live = self.live.load_full();
         // What the access log tells besides the answer; taken before classifying, which
@@ -134,44 +134,44 @@ impl Proxy {
             (Some((method, _)), Ok(to)) => Some((method, to.url.take().unwrap_or_default())),
             (asked, _) => asked,
         };
+        let proxy = self.clone();
         async move {
+            let this = &*proxy;
             let mut unanswered = Unanswered::new(asked, client, arrived);
             let mut timing = Timing::default();
             let (mut user, mut tunnel) = (None, None);
             let group = classified.as_ref().ok().map(|to| to.group.clone());
             unanswered.group.clone_from(&group);
-            let answered = match (checked, classified) {
-                (Err(e), classified) => Err(answered_early(e.into(), classified)),
-                (Ok(check), classified) => match (check.user().await, classified) {
-                    (Err(e), classified) => Err(answered_early(e.into(), classified)),
-                    (Ok(_), Err(e)) => Err(e),
-                    (Ok(who), Ok(to)) if to.target.kind == Kind::Tunnel => {
-                        user = who;
-                        let user = user.as_deref();
-                        let asker = keys::Asker {
-                            user,
-                            client: client.ip(),
-                        };
-                        match &self.intercept {
-                            Some(i) if i.covers(&to.target.host, to.target.port) => {
-                                tunnel = Some("intercepted");
-                                self.open_intercepted(to, user.map(str::to_string))
-                            }
-                            _ => {
-                                tunnel = Some("blind");
-                                self.tunnel(to, arrived, asker, &mut timing).await
+            // One value matched at a time: a tuple of them would be kept, beside its
+            // parts, in this future for as long as the request waits.
+            let answered = match checked {
+                Err(e) => Err(answered_early(e.into(), classified)),
+                Ok(check) => match check.user().await {
+                    Err(e) => Err(answered_early(e.into(), classified)),
+                    Ok(who) => match classified {
+                        Err(e) => Err(e),
+                        Ok(to) => {
+                            user = who;
+                            let user = user.as_deref();
+                            let asker = keys::Asker {
+                                user,
+                                client: client.ip(),
+                            };
+                            match &this.intercept {
+                                _ if to.target.kind != Kind::Tunnel => {
+                                    this.forward(to, arrived, asker, &mut timing).await
+                                }
+                                Some(i) if i.covers(&to.target.host, to.target.port) => {
+                                    tunnel = Some("intercepted");
+                                    this.open_intercepted(to, user.map(str::to_string))
+                                }
+                                _ => {
+                                    tunnel = Some("blind");
+                                    this.tunnel(to, arrived, asker, &mut timing).await
+                                }
                             }
                         }
-                    }
-                    (Ok(who), Ok(to)) => {
-                        user = who;
-                        let user = user.as_deref();
-                        let asker = keys::Asker {
-                            user,
-                            client: client.ip(),
-                        };
-                        self.forward(to, arrived, asker, &mut timing).await
-                    }
+                    },
                 },
             };
             let done = Done {
@@ -182,7 +182,7 @@ impl Proxy {
                 timing,
             };
             let asked = unanswered.asked.take();
-            respond(answered, &live, &self.metrics, asked, done)
+            respond(answered, &live, &this.metrics, asked, done)
         }
     }
 
