@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Request, StatusCode, Uri};
+use http::{HeaderMap, HeaderValue, Method, Request, StatusCode, Uri};
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::body::{self, Body, Buffered};
@@ -243,23 +243,53 @@ impl Replayable {
 }
 
 /// `parts` with a URI and header values that share no memory with the buffer they were
-/// parsed from.
+/// parsed from, in a header map of their size: on a kept-alive connection hyper parses
+/// a request into the map of the connection's previous response, whose room (a KiB or
+/// more) a waiting request would otherwise keep.
 fn owned_head(mut parts: http::request::Parts) -> http::request::Parts {
     if let Ok(uri) = Uri::try_from(parts.uri.to_string()) {
         parts.uri = uri;
     }
-    for value in parts.headers.values_mut() {
-        if let Ok(mut copy) = HeaderValue::from_bytes(value.as_bytes()) {
-            copy.set_sensitive(value.is_sensitive());
-            *value = copy;
-        }
+    let mut headers = HeaderMap::with_capacity(parts.headers.len());
+    for (name, value) in &parts.headers {
+        let copy = match HeaderValue::from_bytes(value.as_bytes()) {
+            Ok(mut copy) => {
+                copy.set_sensitive(value.is_sensitive());
+                copy
+            }
+            Err(_) => value.clone(),
+        };
+        headers.append(name.clone(), copy);
     }
+    parts.headers = headers;
     parts
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copied_head_keeps_every_value_in_order_in_a_map_of_its_size() {
+        let mut headers = HeaderMap::with_capacity(64);
+        headers.append("accept", HeaderValue::from_static("a"));
+        headers.append("x-custom", HeaderValue::from_static("1"));
+        headers.append("accept", HeaderValue::from_static("b"));
+        let mut secret = HeaderValue::from_static("Basic c2VjcmV0");
+        secret.set_sensitive(true);
+        headers.append("proxy-authorization", secret);
+        let (mut parts, ()) = Request::new(()).into_parts();
+        let before: Vec<_> = headers
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        parts.headers = headers;
+        let copied = owned_head(parts).headers;
+        let after: Vec<_> = copied.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        assert_eq!(after, before);
+        assert!(copied["proxy-authorization"].is_sensitive());
+        assert!(copied.capacity() < 64, "{}", copied.capacity());
+    }
 
     #[test]
     fn reservations_fit_the_budget_and_give_back() {
