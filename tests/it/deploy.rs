@@ -187,7 +187,7 @@ async fn kubernetes_check_finds_what_is_broken() {
         "terminationGracePeriodSeconds 40 is not longer than the preStop pause (5 s) + \
          shutdown_grace (45 s) + 1 s",
         "readOnlyRootFilesystem is not true",
-        "memory limit 64Mi is below 173 MiB",
+        "memory limit 64Mi is below 163 MiB",
         "readinessProbe: not an HTTP GET of /readyz",
         "Additional properties are not allowed ('periodSecond' was unexpected)",
         "[backend] replicas = 3, the Deployment runs 4",
