@@ -21,8 +21,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 mod answers;
+mod refusal;
 mod status;
 mod tokens;
+
+pub use refusal::Refusal;
 
 use super::budget::{Budget, Params};
 use super::fair::Flow;
@@ -34,38 +37,6 @@ use super::store::{Slot, Store, RECHECK_AHEAD, RECHECK_BEFORE};
 use super::tokens::{token_budget, Cost, TokenBudget};
 use crate::config::GroupSettings;
 use crate::metrics::GroupMetrics;
-
-/// Why a request was not admitted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    /// `queue` requests were already waiting.
-    QueueFull {
-        /// An estimate of when the queue will have room.
-        retry_after: Duration,
-    },
-    /// `flow_queue` requests of its flow were already waiting.
-    FlowQueueFull {
-        /// An estimate of when its flow will have room.
-        retry_after: Duration,
-    },
-    /// The request's key would be one more than `max_keys`.
-    TooManyKeys,
-    /// The shared store is unreachable and `on_backend_error = "deny"`.
-    BackendDown,
-    /// The wait ahead of the request (the upstream's pause, the queue) already
-    /// outlasts what is left of its `max_wait`: refused at once rather than at the end.
-    WaitTooLong {
-        /// The estimated wait ahead.
-        ahead: Duration,
-    },
-    /// The request waited `max_wait` without leaving.
-    MaxWait {
-        /// How long it waited.
-        waited: Duration,
-        /// An estimate of when a new request could leave.
-        retry_after: Duration,
-    },
-}
 
 /// A budget shared by all requests to the hosts of one group.
 pub struct Group {
