@@ -135,16 +135,18 @@ fn tenants(upstream: &Upstream) -> Vec<String> {
     seen.iter().map(tenant).collect()
 }
 
-/// Sends `n` requests of `tenant` at once; returns their statuses.
+/// Sends `n` requests of `tenant` at once to `url`; returns their statuses.
 async fn send_all(
-    client: &reqwest::Client,
-    upstream: &Upstream,
-    tenant: &str,
+    client: reqwest::Client,
+    url: String,
+    tenant: &'static str,
     n: usize,
 ) -> Vec<u16> {
     let sends = (0..n).map(|i| {
-        let url = upstream.url(&format!("/{tenant}/{i}"));
-        let sent = client.get(url).header("x-tenant", tenant).send();
+        let sent = client
+            .get(format!("{url}/{tenant}/{i}"))
+            .header("x-tenant", tenant)
+            .send();
         async move { sent.await.unwrap().status().as_u16() }
     });
     futures_util::future::join_all(sends).await
@@ -174,22 +176,10 @@ async fn a_tenant_arriving_behind_a_flood_is_served_within_its_share() {
     let proxy = Tollgate::start(&fair_config("")).await;
     let admin = proxy.admin.expect("admin listener");
     let client = client_via(&proxy.url());
-    let flood = tokio::spawn({
-        let (client, url) = (client.clone(), upstream.url(""));
-        async move {
-            let sends = (0..100).map(|i| {
-                let sent = client
-                    .get(format!("{url}/A/{i}"))
-                    .header("x-tenant", "A")
-                    .send();
-                async move { sent.await.unwrap().status().as_u16() }
-            });
-            futures_util::future::join_all(sends).await
-        }
-    });
+    let flood = tokio::spawn(send_all(client.clone(), upstream.url(""), "A", 100));
     wait_queued_at_least(admin, "api", 80).await;
     let sent = std::time::Instant::now();
-    let b = send_all(&client, &upstream, "B", 10).await;
+    let b = send_all(client.clone(), upstream.url(""), "B", 10).await;
     let took = sent.elapsed().as_secs_f64();
     eprintln!("B's 10 answered {took:.2} s after they were sent");
     assert_eq!(b, [200; 10]);
@@ -213,21 +203,9 @@ async fn a_weighted_tenant_gets_its_weight_of_departures() {
     let proxy = Tollgate::start(&fair_config("weights = { B = 3 }")).await;
     let admin = proxy.admin.expect("admin listener");
     let client = client_via(&proxy.url());
-    let flood = tokio::spawn({
-        let (client, url) = (client.clone(), upstream.url(""));
-        async move {
-            let sends = (0..50).map(|i| {
-                let sent = client
-                    .get(format!("{url}/A/{i}"))
-                    .header("x-tenant", "A")
-                    .send();
-                async move { sent.await.unwrap().status().as_u16() }
-            });
-            futures_util::future::join_all(sends).await
-        }
-    });
+    let flood = tokio::spawn(send_all(client.clone(), upstream.url(""), "A", 50));
     wait_queued_at_least(admin, "api", 40).await;
-    let b = send_all(&client, &upstream, "B", 30).await;
+    let b = send_all(client.clone(), upstream.url(""), "B", 30).await;
     assert_eq!(b, [200; 30]);
     assert_eq!(flood.await.unwrap(), [200; 50]);
     let order = tenants(&upstream);
