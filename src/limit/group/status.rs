@@ -1,6 +1,7 @@
 //! What `/status` shows of a group, and whether it is idle.
 
 use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
@@ -84,16 +85,18 @@ pub struct FlowStatus {
 ///
 /// One function, so that `/status`, the dashboard and `tollgate_pace_in_force` cannot
 /// disagree: the configured rate alone reads wrong once the group learned a slower one.
+/// A pause is `(seconds left, when it ends on the wall clock)`.
 pub fn pace_in_force(
-    paused_for: Option<f64>,
+    paused: Option<(f64, SystemTime)>,
     budget: &budget::Status,
     configured: &[f64],
     tokens: bool,
 ) -> (Option<f64>, String) {
-    if let Some(seconds) = paused_for {
+    if let Some((seconds, until)) = paused {
+        let until = humantime::format_rfc3339_seconds(until);
         return (
             Some(0.0),
-            format!("paused by the upstream for {seconds:.1} s"),
+            format!("paused by the upstream for {seconds:.1} s, until {until}"),
         );
     }
     let slowest = configured.iter().copied().reduce(f64::min);
@@ -125,8 +128,8 @@ impl Group {
         let paused_for = state.pause.until(now).map(|p| (p - now).as_secs_f64());
         let configured = state.rates.per_second();
         let budget = state.budget.status(now);
-        let (pace, reason) =
-            pace_in_force(paused_for, &budget, &configured, state.tokens.is_some());
+        let paused = paused_for.map(|s| (s, SystemTime::now() + Duration::from_secs_f64(s)));
+        let (pace, reason) = pace_in_force(paused, &budget, &configured, state.tokens.is_some());
         let tokens = state.tokens.as_ref().map(|t| t.status(now));
         let flows = state.queue.busiest_flows(BUSIEST);
         let queued = state.queue.len();
@@ -251,9 +254,9 @@ mod tests {
         let windowed = |q, w| budget(Phase::Windowed, None, Some((q, w)));
         let both = budget(Phase::WindowedPaced, Some(0.5), Some((60, 60.0)));
         let probing = budget(Phase::Probing, None, None);
-        // Paused for; the budget; the configured rates; the pace in force and why.
+        // Paused for, until; the budget; the configured rates; the pace in force and why.
         type Case<'a> = (
-            Option<f64>,
+            Option<(f64, SystemTime)>,
             &'a budget::Status,
             &'a [f64],
             Option<f64>,
@@ -273,11 +276,14 @@ mod tests {
             (None, &probing, &[], None, "probing: told no rate"),
             (None, &open, &[], None, "unlimited"),
             (
-                Some(3.24),
+                Some((
+                    3.24,
+                    SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_000_003),
+                )),
                 &paced(0.98),
                 &[2.0],
                 Some(0.0),
-                "paused by the upstream for 3.2 s",
+                "paused by the upstream for 3.2 s, until 2026-11-18T11:06:43Z",
             ),
         ];
         for (paused, status, configured, rate, why) in cases {
