@@ -308,3 +308,85 @@ async fn status_of_a_thousand_groups_is_timed() {
     );
     proxy.shutdown().await;
 }
+
+/// The bucket of the wait histogram a wait of `seconds` falls in (1 ms doubling).
+fn bucket(seconds: f64) -> i32 {
+    (0..17)
+        .find(|i| seconds <= 0.001 * f64::from(1u32 << i))
+        .unwrap_or(17)
+}
+
+/// The wait chart agrees with the access log: twelve requests sent at once to a group
+/// at 4/s wait 0 to 2.75 s; each second's p50 on the chart is in the histogram bucket
+/// of the median wait the access log gives the requests that left in that second, or
+/// the next one (the chart reads buckets, the log milliseconds).
+#[tokio::test]
+async fn the_wait_chart_agrees_with_the_access_log() {
+    let upstream = Upstream::start(|_| Reply::ok("ok")).await;
+    let mut proxy = Tollgate::start(&format!(
+        "[[limit]]\nname = \"waits\"\nhosts = [\"127.0.0.1\"]\nrate = \"4/s\"\n{ADMIN_ON_PORT_0}"
+    ))
+    .await;
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+        .build()
+        .unwrap();
+    let sends = (0..12).map(|i| client.get(upstream.url(&format!("/wait/{i}"))).send());
+    for answer in futures_util::future::join_all(sends).await {
+        assert_eq!(answer.unwrap().status(), 200);
+    }
+    proxy.wait_for_log("/wait/11").await;
+    // The access log's waits, in the order the requests left (they arrived together).
+    let lines = within_bound(async || {
+        let log = proxy.log();
+        let lines: Vec<String> = (log.lines())
+            .filter(|l| l.contains(" access: ") && l.contains("/wait/"))
+            .map(str::to_string)
+            .collect();
+        (lines.len() == 12).then_some(lines)
+    })
+    .await
+    .expect("twelve access lines");
+    let mut waits: Vec<f64> = (lines.iter())
+        .map(|l| field_of(l, "wait_ms").parse::<f64>().unwrap() / 1000.0)
+        .collect();
+    waits.sort_by(f64::total_cmp);
+    // Once the history has every departure, each second's share of them.
+    let series = within_bound(async || {
+        let (_, body) = proxy.admin("/history?group=waits").await;
+        let series: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let departed: u64 = (series["departures"].as_array()?.iter())
+            .map(|d| d.as_u64().unwrap_or(0))
+            .sum();
+        (departed == 12).then_some(series)
+    })
+    .await
+    .expect("the history counts twelve departures");
+    let departures = series["departures"].as_array().unwrap();
+    let p50 = series["wait_p50_seconds"].as_array().unwrap();
+    let mut left = waits.as_slice();
+    let mut compared = 0;
+    for (n, chart) in departures.iter().zip(p50) {
+        let n = n.as_u64().unwrap() as usize;
+        if n == 0 {
+            continue;
+        }
+        let (these, rest) = left.split_at(n);
+        left = rest;
+        let median = these[(n - 1) / 2];
+        let chart = chart.as_f64().expect("a p50 for a second with departures");
+        let (ours, theirs) = (bucket(chart), bucket(median));
+        assert!(
+            (ours - theirs).abs() <= 1,
+            "chart p50 {chart} s, access log median {median} s: {series} {waits:?}"
+        );
+        compared += 1;
+    }
+    assert!(compared >= 3, "{series}");
+}
+
+/// `key=value` of an access line.
+fn field_of<'a>(line: &'a str, key: &str) -> &'a str {
+    let start = line.find(&format!(" {key}=")).expect(key) + key.len() + 2;
+    line[start..].split(' ').next().unwrap()
+}
