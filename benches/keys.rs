@@ -2,10 +2,9 @@
 //!
 //! * `keys/id_of` — hashing a key's value (SHA-256 of a 60-byte bearer token);
 //! * `keys/lookup` — a request's key found among 1 000: its hash, then its group;
-//! * `queue/fifo` and `queue/fair` — 10 000 requests join one group's queue behind a
-//!   head that waits an hour, and are cancelled, in arrival order or in 10 flows:
-//!   the difference per request is what fair scheduling adds;
 //! * a note of the resident memory of 10 000 idle keys (each made by one request).
+//!
+//! What fair scheduling adds is `cargo bench --bench limiter -- long_queue`.
 //!
 //! `cargo bench --bench keys`; `cargo bench --bench keys -- --test` runs each once.
 
@@ -16,9 +15,8 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tokio::time::Instant;
 use tollgate::config::{GroupSettings, KeySource, Rate};
-use tollgate::parts::{id_of, Cost, Flow, Group, Metrics, Store};
+use tollgate::parts::{id_of, Group, Metrics, Store};
 
-const WAITERS: usize = 10_000;
 const KEYS: usize = 10_000;
 
 fn group(configure: impl FnOnce(&mut GroupSettings)) -> Arc<Group> {
@@ -99,70 +97,5 @@ fn bench_keys(c: &mut Criterion) {
     g.finish();
 }
 
-/// A group whose head waits an hour, so everyone after it queues.
-async fn slow_group() -> (Arc<Group>, tollgate::parts::Permit) {
-    let grp = group(|s| {
-        s.rates = vec![Rate {
-            limit: 1,
-            period: Duration::from_secs(3600),
-        }];
-        s.queue = 2 * WAITERS;
-        s.max_wait = Duration::MAX;
-    });
-    let first = grp.admit(1, Instant::now(), false).await.expect("burst");
-    (grp, first)
-}
-
-/// Queues `WAITERS` requests (in 10 flows when `fair`), then cancels them all.
-async fn queue_and_cancel(grp: &Arc<Group>, fair: bool) {
-    let tasks: Vec<_> = (0..WAITERS)
-        .map(|i| {
-            let grp = grp.clone();
-            let flow = fair.then_some(Flow {
-                id: (i % 10) as u64,
-                weight: 1,
-            });
-            let cost = Cost {
-                requests: 1,
-                flow,
-                ..Cost::default()
-            };
-            tokio::spawn(async move {
-                let _ = grp.admit(cost, Instant::now(), false).await;
-            })
-        })
-        .collect();
-    while grp.status().queued < WAITERS {
-        tokio::task::yield_now().await;
-    }
-    for t in &tasks {
-        t.abort();
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
-    assert_eq!(grp.status().queued, 0, "every waiter left the queue");
-}
-
-fn bench_queue(c: &mut Criterion) {
-    let rt = runtime();
-    let mut g = c.benchmark_group("queue");
-    g.sample_size(10);
-    g.throughput(Throughput::Elements(WAITERS as u64));
-    for (name, fair) in [("fifo", false), ("fair", true)] {
-        g.bench_function(name, |b| {
-            b.to_async(&rt).iter_custom(|iters| async move {
-                let (grp, _first) = slow_group().await;
-                let start = Instant::now();
-                for _ in 0..iters {
-                    queue_and_cancel(&grp, fair).await;
-                }
-                start.elapsed()
-            })
-        });
-    }
-    g.finish();
-}
-
-criterion_group!(benches, bench_keys, bench_queue);
+criterion_group!(benches, bench_keys);
 criterion_main!(benches);

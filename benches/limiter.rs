@@ -12,8 +12,8 @@
 //! * `admit_100k_groups` — admit + drop round-robin over 100 000 live groups (lookup
 //!   included or not), where each group's state is cold in the caches;
 //! * `long_queue` — 10 000 requests join one group's queue (behind a head that waits an
-//!   hour) and are then all cancelled; also prints the resident memory the waiting
-//!   requests cost the limiter alone.
+//!   hour) and are then all cancelled, in arrival order or in the 10 flows of a fair
+//!   queue; also prints the resident memory the waiting requests cost the limiter alone.
 //!
 //! `cargo bench --bench limiter` for numbers (see BENCHMARKS.md);
 //! `cargo bench --bench limiter -- --test` (or `cargo test --benches`) runs each once.
@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tollgate::config::{Config, GroupSettings, Rate};
 use tollgate::parts::Metrics;
 use tollgate::parts::{gcra, Gcra};
-use tollgate::parts::{Group, Limits, Store};
+use tollgate::parts::{Cost, Flow, Group, Limits, Store};
 
 /// Distinct hosts in the many-groups benchmarks.
 const HOSTS: usize = 100_000;
@@ -293,14 +293,24 @@ async fn slow_group() -> (Arc<Group>, tollgate::parts::Permit) {
     (grp, first)
 }
 
-/// Spawns `n` requests that wait in `grp`'s queue; returns when all are queued.
-async fn queue_up(grp: &Arc<Group>, n: usize) -> Vec<tokio::task::JoinHandle<()>> {
+/// Spawns `n` requests that wait in `grp`'s queue (in 10 flows of a fair queue when
+/// `fair`); returns when all are queued.
+async fn queue_up(grp: &Arc<Group>, n: usize, fair: bool) -> Vec<tokio::task::JoinHandle<()>> {
     let tasks = (0..n)
-        .map(|_| {
+        .map(|i| {
             let grp = grp.clone();
+            let flow = fair.then_some(Flow {
+                id: (i % 10) as u64,
+                weight: 1,
+            });
+            let cost = Cost {
+                requests: 1,
+                flow,
+                ..Cost::default()
+            };
             tokio::spawn(async move {
                 let now = Instant::now();
-                let _ = grp.admit(1, now, false).await;
+                let _ = grp.admit(cost, now, false).await;
             })
         })
         .collect();
@@ -329,7 +339,7 @@ fn bench_long_queue(c: &mut Criterion) {
     rt.block_on(async {
         let (grp, _first) = slow_group().await;
         let before = rss_kib();
-        let tasks = queue_up(&grp, WAITERS).await;
+        let tasks = queue_up(&grp, WAITERS, false).await;
         if let (Some(before), Some(after)) = (before, rss_kib()) {
             eprintln!(
                 "note: {WAITERS} requests waiting in one group (limiter only, a task each): \
@@ -344,17 +354,24 @@ fn bench_long_queue(c: &mut Criterion) {
     let mut g = c.benchmark_group("long_queue");
     g.sample_size(10);
     g.throughput(Throughput::Elements(WAITERS as u64));
-    g.bench_function("enqueue_then_cancel_10k", |b| {
-        b.to_async(&rt).iter_custom(|iters| async move {
-            let (grp, _first) = slow_group().await;
-            let start = Instant::now();
-            for _ in 0..iters {
-                let tasks = queue_up(&grp, WAITERS).await;
-                cancel_all(&grp, tasks).await;
-            }
-            start.elapsed()
-        })
-    });
+    // `_fair`: the same requests in 10 flows of a fair queue (docs/keys.md), whose
+    // difference per request is what fair scheduling adds.
+    for (name, fair) in [
+        ("enqueue_then_cancel_10k", false),
+        ("enqueue_then_cancel_10k_fair", true),
+    ] {
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter_custom(|iters| async move {
+                let (grp, _first) = slow_group().await;
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let tasks = queue_up(&grp, WAITERS, fair).await;
+                    cancel_all(&grp, tasks).await;
+                }
+                start.elapsed()
+            })
+        });
+    }
     g.finish();
 }
 
