@@ -139,13 +139,23 @@ fn answer(proxy: &Proxy, history: &History, req: Request<Incoming>) -> Response<
 }
 
 /// The `/metrics` text. The pace in force moves with the clock (a pause ends, a probe
-/// times out) as well as with answers, so it is read from each group as it is scraped.
+/// times out) as well as with answers, so it is read from each group as it is scraped,
+/// with the group's token budgets.
 fn metrics(proxy: &Proxy) -> String {
+    let mut tokens = Vec::new();
     for group in proxy.limits().groups() {
-        let pace = group.status().pace_in_force_per_second;
-        group.metrics.pace_in_force.set(pace);
+        let status = group.status();
+        group
+            .metrics
+            .pace_in_force
+            .set(status.pace_in_force_per_second);
+        if let Some(counted) = status.tokens {
+            tokens.push((status.name, counted));
+        }
     }
-    proxy.metrics().encode()
+    let metrics = proxy.metrics();
+    metrics.show_tokens(tokens.iter().map(|(name, t)| (name.as_str(), t)));
+    metrics.encode()
 }
 
 /// What the once-a-second sampler reads of `group`: counters and the moment's state,

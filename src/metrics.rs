@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
+use crate::limit::tokens::TokenStatus;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -17,7 +18,10 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry};
 
 mod settings;
+mod tokens;
 pub mod waits;
+
+pub use tokens::TokenMetrics;
 
 pub use waits::WaitHistogram;
 
@@ -91,6 +95,7 @@ pub struct Metrics {
     in_force: Family<GroupLabel, RateGauge>,
     tokens: Family<KindLabels, Counter>,
     settings: settings::Families,
+    token_budgets: tokens::Families,
 }
 
 /// A client connection counted in `tollgate_client_connections` while it lives.
@@ -175,28 +180,6 @@ impl GroupMetrics {
         metrics.learned_pace.family = None;
         metrics.pace_in_force.family = None;
         metrics
-    }
-}
-
-/// `tollgate_tokens_total` of one group: the tokens its upstream reported used, by
-/// kind. Series appear with the first answer that reports usage, so a group that
-/// counts no tokens has none.
-#[derive(Debug, Clone)]
-pub struct TokenMetrics {
-    family: Family<KindLabels, Counter>,
-    group: String,
-}
-
-impl TokenMetrics {
-    /// Counts the usage of one answer.
-    pub fn used(&self, input: u64, output: u64) {
-        for (kind, n) in [("input", input), ("output", output)] {
-            let labels = KindLabels {
-                group: self.group.clone(),
-                kind,
-            };
-            self.family.get_or_create(&labels).inc_by(n);
-        }
     }
 }
 
@@ -407,6 +390,7 @@ impl Metrics {
         let refusals = registered(r, REFUSALS, Family::default());
         Metrics {
             settings: settings::Families::new(r),
+            token_budgets: tokens::Families::new(r),
             credential_checks,
             refusals,
             config_reloads,
@@ -484,10 +468,7 @@ impl Metrics {
                 family: Some(self.in_force.clone()),
                 label: label.clone(),
             },
-            tokens: TokenMetrics {
-                family: self.tokens.clone(),
-                group: name.to_string(),
-            },
+            tokens: TokenMetrics::new(self.tokens.clone(), name),
             settings: self.settings.group(label),
         }
     }
@@ -520,6 +501,14 @@ impl Metrics {
     /// Lets later stages register their own families.
     pub fn register(&self, f: impl FnOnce(&mut Registry)) {
         f(&mut self.registry.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// Shows the token budgets of `groups` (name and tokens), and no other group's.
+    pub fn show_tokens<'a>(&self, groups: impl IntoIterator<Item = (&'a str, &'a TokenStatus)>) {
+        self.token_budgets.clear();
+        for (name, tokens) in groups {
+            self.token_budgets.show(name, tokens);
+        }
     }
 
     /// The Prometheus text exposition of every metric.

@@ -130,6 +130,23 @@ async fn run(
         .find(|g| g["name"] == "llm")
         .expect("the group")
         .clone();
+    // Every call answered: nothing is reserved, and each bucket /status shows is a
+    // series of /metrics.
+    let (_, metrics) = proxy.admin("/metrics").await;
+    assert!(
+        metrics.contains("tollgate_tokens_reserved{group=\"llm\"} 0\n"),
+        "{metrics}"
+    );
+    for bucket in group["tokens"]["buckets"].as_array().unwrap() {
+        let (kind, source) = (
+            bucket["kind"].as_str().unwrap(),
+            bucket["source"].as_str().unwrap(),
+        );
+        for name in ["tollgate_token_rate", "tollgate_tokens_in_use"] {
+            let series = format!("{name}{{group=\"llm\",kind=\"{kind}\",source=\"{source}\"}} ");
+            assert!(metrics.contains(&series), "{series} in {metrics}");
+        }
+    }
     // Access lines reach the log in batches, within about a second.
     let calls_logged = |log: &str| {
         let lines = log
