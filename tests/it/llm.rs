@@ -52,6 +52,14 @@ enum Via {
     /// `HTTPS_PROXY`, to an HTTPS upstream that tollgate intercepts (its CA in
     /// `SSL_CERT_FILE`; the upstream's CA is tollgate's `ca_file`, not the client's).
     Intercept,
+    /// The same, from Node's `openai` package (the CA in `NODE_EXTRA_CA_CERTS`).
+    InterceptNode,
+}
+
+impl Via {
+    fn intercepts(&self) -> bool {
+        matches!(self, Via::Intercept | Via::InterceptNode)
+    }
 }
 
 /// Starts the upstream (`dialect`, `limits` its command-line limits) and tollgate with
@@ -70,7 +78,7 @@ async fn run(
     let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
     let mut args = vec!["-I", "tests/upstreams/llm-upstream.py", dialect];
     args.extend_from_slice(limits);
-    if let Via::Intercept = via {
+    if via.intercepts() {
         args.extend_from_slice(&["--tls", cert, key]);
     }
     let upstream = External::start("python3", &args);
@@ -87,7 +95,7 @@ async fn run(
             None,
             vec![],
         ),
-        Via::Intercept => {
+        Via::Intercept | Via::InterceptNode => {
             tollgate::init_ca(intercept.path()).unwrap();
             let ca = intercept.path().join("ca.pem").display().to_string();
             let key = intercept.path().join("ca-key.pem").display().to_string();
@@ -98,21 +106,21 @@ async fn run(
                 upstream_ca.ca_pem_path().display().to_string(),
             );
             let base = format!("https://{authority}{v1}");
-            (config, Some(base), vec![("SSL_CERT_FILE", ca)])
+            let env = vec![("SSL_CERT_FILE", ca.clone()), ("NODE_EXTRA_CA_CERTS", ca)];
+            (config, Some(base), env)
         }
     };
     let proxy = Tollgate::start(&config).await;
     let base = base.unwrap_or_else(|| format!("{}/llm{v1}", proxy.url()));
-    if let Via::Intercept = via {
+    if via.intercepts() {
         env.push(("HTTPS_PROXY", proxy.url()));
     }
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let calls = sdk_calls(dialect, &base, &env, CALLS, CLIENTS).await;
-    let scheme = if let Via::Intercept = via {
-        "https"
-    } else {
-        "http"
+    let calls = match via {
+        Via::InterceptNode => node_calls(&base, &env).await,
+        _ => sdk_calls(dialect, &base, &env, CALLS, CLIENTS).await,
     };
+    let scheme = if via.intercepts() { "https" } else { "http" };
     let ca = upstream_ca.ca_pem_path().display().to_string();
     let stats = curl(
         &["--cacert", &ca, &format!("{scheme}://{authority}/stats")],
@@ -182,6 +190,20 @@ async fn sdk_calls(
         .await
         .expect("the calls end in time")
         .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// The calls of Node's `openai` package (`tests/node/llm-calls.js`) to `base`.
+async fn node_calls(base: &str, env: &[(&str, &str)]) -> Calls {
+    let mut cmd = clean_command("node", env);
+    let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
+    cmd.args(["tests/node/llm-calls.js", base, &calls, &clients]);
+    let out = tokio::time::timeout(BOUND * 3, cmd.output())
+        .await
+        .expect("the calls end in time")
+        .expect("node runs (scripts/test installs it)");
     let stdout = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(stdout.trim())
         .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)))
@@ -358,19 +380,17 @@ async fn node_openai_package_through_a_route_keeps_the_token_budget() {
     let upstream = openai_upstream();
     let config = routed(&upstream, "llm = \"openai\"");
     let proxy = Tollgate::start(&config).await;
-    let mut cmd = clean_command("node", &[]);
-    let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
-    let base = format!("{}/llm/v1", proxy.url());
-    cmd.args(["tests/node/llm-calls.js", &base, &calls, &clients]);
-    let out = tokio::time::timeout(BOUND * 3, cmd.output())
-        .await
-        .expect("the calls end in time")
-        .expect("node runs (scripts/test installs it)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let calls: Calls = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)));
+    let calls = node_calls(&format!("{}/llm/v1", proxy.url()), &[]).await;
     let stats = upstream_stats(&upstream).await;
     let (_, status) = proxy.admin("/status").await;
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     check(&calls, &stats, &status["groups"][0]);
+}
+
+#[tokio::test]
+async fn node_openai_package_through_https_proxy_with_interception_keeps_the_token_budget() {
+    let limits = OPENAI_LIMITS;
+    let told = "tokens = \"8000/2s\"";
+    let (calls, stats, group, _) = run("openai", &limits, told, Via::InterceptNode).await;
+    check(&calls, &stats, &group);
 }

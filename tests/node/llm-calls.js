@@ -5,8 +5,20 @@
 // CALLS calls from CLIENTS concurrent loops, prompts of 0.1 to 4 KiB of words, max
 // output 50 to 1 000 tokens, every third one streamed with `include_usage`. Prints one
 // JSON line: {"ok": n, "failed": ["error", ...], "usage": [input, output]}.
+//
+// With HTTPS_PROXY set, calls go through it as undici's documentation shows: a
+// ProxyAgent as the dispatcher of undici's fetch, handed to the client (Node's own
+// fetch reads no proxy variable); NODE_EXTRA_CA_CERTS trusts an intercepting proxy.
 "use strict";
 const { OpenAI } = require("openai");
+const undici = require("undici");
+
+function proxiedFetch() {
+  const proxy = process.env.HTTPS_PROXY;
+  if (!proxy) return undefined;
+  const dispatcher = new undici.ProxyAgent(proxy);
+  return (url, init) => undici.fetch(url, { ...init, dispatcher });
+}
 
 const WORDS = ("the quick brown fox jumps over a lazy dog while rate limits " +
   "queue tokens and answers stream back to every patient client").split(" ");
@@ -40,7 +52,8 @@ async function call(client, i) {
 
 async function main() {
   const [base, calls, clients] = [process.argv[2], +process.argv[3], +process.argv[4]];
-  const client = new OpenAI({ baseURL: base, apiKey: "sk-test", maxRetries: 0, timeout: 300000 });
+  const client = new OpenAI({ baseURL: base, apiKey: "sk-test", maxRetries: 0,
+    timeout: 300000, fetch: proxiedFetch() });
   let next = 0;
   const used = [], failed = [];
   async function loop() {
