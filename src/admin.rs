@@ -29,6 +29,7 @@ use tokio::time::{interval, Duration, MissedTickBehavior};
 
 use crate::body::{self, Body};
 use crate::limit::Group;
+use crate::metrics::{BucketFigures, TokenFigures};
 use crate::proxy::Proxy;
 use history::{History, Reading};
 
@@ -150,7 +151,16 @@ fn metrics(proxy: &Proxy) -> String {
             .pace_in_force
             .set(status.pace_in_force_per_second);
         if let Some(counted) = status.tokens {
-            tokens.push((status.name, counted));
+            let buckets = (counted.buckets.iter())
+                .map(|b| BucketFigures {
+                    kind: b.kind,
+                    source: b.source,
+                    per_second: b.per_second,
+                    in_use: b.in_use,
+                })
+                .collect();
+            let reserved = counted.reserved;
+            tokens.push((status.name, TokenFigures { reserved, buckets }));
         }
     }
     let metrics = proxy.metrics();

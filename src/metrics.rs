@@ -9,7 +9,6 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
-use crate::limit::tokens::TokenStatus;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -21,7 +20,7 @@ mod settings;
 mod tokens;
 pub mod waits;
 
-pub use tokens::TokenMetrics;
+pub use tokens::{BucketFigures, TokenFigures, TokenMetrics};
 
 pub use waits::WaitHistogram;
 
@@ -504,7 +503,7 @@ impl Metrics {
     }
 
     /// Shows the token budgets of `groups` (name and tokens), and no other group's.
-    pub fn show_tokens<'a>(&self, groups: impl IntoIterator<Item = (&'a str, &'a TokenStatus)>) {
+    pub fn show_tokens<'a>(&self, groups: impl IntoIterator<Item = (&'a str, &'a TokenFigures)>) {
         self.token_budgets.clear();
         for (name, tokens) in groups {
             self.token_budgets.show(name, tokens);

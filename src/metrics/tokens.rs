@@ -11,7 +11,6 @@ use prometheus_client::registry::Registry;
 use prometheus_client::metrics::counter::Counter;
 
 use super::{registered, GroupLabel, KindLabels, RateGauge, Series};
-use crate::limit::tokens::TokenStatus;
 
 const RESERVED: Series = (
     "tollgate_tokens_reserved",
@@ -56,6 +55,28 @@ impl TokenMetrics {
     }
 }
 
+/// What a group's token budgets are now, as `/status` shows them.
+#[derive(Debug, Clone, Default)]
+pub struct TokenFigures {
+    /// Estimates of the requests in flight.
+    pub reserved: u64,
+    /// Each bucket.
+    pub buckets: Vec<BucketFigures>,
+}
+
+/// One token bucket now.
+#[derive(Debug, Clone)]
+pub struct BucketFigures {
+    /// `total`, `input` or `output`.
+    pub kind: &'static str,
+    /// `configured` or `announced`.
+    pub source: &'static str,
+    /// Tokens refilled per second.
+    pub per_second: f64,
+    /// Tokens in use.
+    pub in_use: u64,
+}
+
 /// A bucket's labels: `kind` is `total`, `input` or `output`; `source` `configured` or
 /// `announced`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -90,14 +111,14 @@ impl Families {
         self.in_use.clear();
     }
 
-    /// Sets the series of `group`, whose tokens are `status`.
-    pub(super) fn show(&self, group: &str, status: &TokenStatus) {
+    /// Sets the series of `group`.
+    pub(super) fn show(&self, group: &str, tokens: &TokenFigures) {
         let label = GroupLabel {
             group: group.to_string(),
         };
-        let reserved = i64::try_from(status.reserved).unwrap_or(i64::MAX);
+        let reserved = i64::try_from(tokens.reserved).unwrap_or(i64::MAX);
         self.reserved.get_or_create(&label).set(reserved);
-        for bucket in &status.buckets {
+        for bucket in &tokens.buckets {
             let labels = BucketLabels {
                 group: group.to_string(),
                 kind: bucket.kind,
