@@ -94,6 +94,19 @@ async fn ask_with<T: redis::FromRedisValue>(
 
 /// The common settings of a test's redis-server: no persistence, loopback only, a
 /// password.
+/// Runs `create`, a `redis-cli --cluster create`, and checks it succeeded.
+pub(super) async fn create_cluster(mut create: tokio::process::Command) {
+    let out = tokio::time::timeout(BOUND, create.output())
+        .await
+        .expect("redis-cli --cluster create finished in time")
+        .expect("redis-cli runs");
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster create failed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 fn server_args(port: u16, dir: &std::path::Path) -> Vec<String> {
     let dir = dir.join(port.to_string());
     std::fs::create_dir_all(&dir).expect("node directory");
@@ -166,15 +179,7 @@ impl RedisCluster {
         create.arg("--cluster").arg("create");
         create.args(cluster.ports().iter().map(|p| format!("127.0.0.1:{p}")));
         create.args(["--cluster-replicas", "1", "--cluster-yes"]);
-        let out = tokio::time::timeout(BOUND, create.output())
-            .await
-            .expect("redis-cli --cluster create finished in time")
-            .expect("redis-cli runs");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+        create_cluster(create).await;
         let whole = within_bound(async || cluster.whole().await.then_some(())).await;
         assert!(whole.is_some(), "the cluster never came up whole");
         cluster

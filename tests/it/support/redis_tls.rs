@@ -187,15 +187,7 @@ impl RedisTls {
         create.args(["--cluster", "create"]);
         create.args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
         create.args(["--cluster-replicas", "0", "--cluster-yes"]);
-        let out = tokio::time::timeout(BOUND, create.output())
-            .await
-            .expect("redis-cli --cluster create finished in time")
-            .expect("redis-cli runs");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+        create_cluster(create).await;
         let ok = within_bound(async || {
             for node in &nodes {
                 let info: String = node.ask(&["CLUSTER", "INFO"]).await.ok()?;
