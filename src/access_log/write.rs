@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::io::Write;
 use std::sync::OnceLock;
 
-use super::{millis, Record};
+use super::{millis, Count, Record};
 
 /// How lines are written: `key=value` text, or JSON, as `--log-format` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,55 +92,72 @@ fn write(pending: &mut Vec<u8>) {
     pending.shrink_to(BATCH + 1024);
 }
 
+/// A field's value: written as it displays in text; in JSON, a string quoted (and
+/// escaped, unless it is one of tollgate's own words or an address), a number as it
+/// is (as tracing's JSON format writes `%` and plain fields).
+enum Value<'a> {
+    Str(&'a dyn std::fmt::Display),
+    Word(&'a dyn std::fmt::Display),
+    Num(&'a dyn std::fmt::Debug),
+}
+
 /// Appends `record`'s line, with its newline, to `out`.
 pub fn line(record: &Record, format: Format, out: &mut Vec<u8>) {
+    use Value::{Num, Str, Word};
     let now = humantime::format_rfc3339_micros(std::time::SystemTime::now());
-    let user = record.user.as_deref().unwrap_or("-");
-    let group = record.group.as_deref().unwrap_or("-");
-    let tunnel = record.tunnel.unwrap_or("-");
     let tokens = record.tokens();
     let (wait, upstream) = (millis(record.timing.wait), millis(record.timing.upstream));
+    let (tokens_in, tokens_out) = (Count(tokens.map(|t| t.0)), Count(tokens.map(|t| t.1)));
+    let fields: [(&str, Value); 15] = [
+        ("client", Word(&record.client)),
+        ("user", Str(&record.user.as_deref().unwrap_or("-"))),
+        ("method", Word(&record.method)),
+        ("url", Str(&record.url)),
+        ("group", Str(&record.group.as_deref().unwrap_or("-"))),
+        ("status", Num(&record.status)),
+        ("answered", Word(&record.answered)),
+        ("wait_ms", Num(&wait)),
+        ("upstream_ms", Num(&upstream)),
+        ("retries", Num(&record.timing.retries)),
+        ("bytes", Num(&record.bytes)),
+        ("complete", Num(&record.complete)),
+        ("tunnel", Word(&record.tunnel.unwrap_or("-"))),
+        ("tokens_in", Word(&tokens_in)),
+        ("tokens_out", Word(&tokens_out)),
+    ];
+    // A JSON string is escaped from its text, written here first.
+    let mut scratch = String::new();
     // Writing to a `Vec` cannot fail.
     let _ = match format {
-        Format::Text => writeln!(
+        Format::Text => write!(out, "{now}  INFO access:"),
+        Format::Json => write!(
             out,
-            "{now}  INFO access: client={} user={user} method={} url={} group={group} \
-             status={} answered={} wait_ms={wait:?} upstream_ms={upstream:?} retries={} \
-             bytes={} complete={} tunnel={tunnel} tokens_in={} tokens_out={}",
-            record.client,
-            record.method,
-            record.url,
-            record.status,
-            record.answered,
-            record.timing.retries,
-            record.bytes,
-            record.complete,
-            super::Count(tokens.map(|t| t.0)),
-            super::Count(tokens.map(|t| t.1)),
+            "{{\"timestamp\":\"{now}\",\"level\":\"INFO\",\"fields\":{{"
         ),
-        Format::Json => {
-            let text = |s: &str| serde_json::to_string(s).unwrap_or_default();
-            writeln!(
-                out,
-                "{{\"timestamp\":\"{now}\",\"level\":\"INFO\",\"fields\":{{\"client\":\"{}\",\
-                 \"user\":{},\"method\":\"{}\",\"url\":{},\"group\":{},\"status\":{},\
-                 \"answered\":\"{}\",\"wait_ms\":{wait:?},\"upstream_ms\":{upstream:?},\
-                 \"retries\":{},\"bytes\":{},\"complete\":{},\"tunnel\":\"{tunnel}\",\
-                 \"tokens_in\":\"{}\",\"tokens_out\":\"{}\"}},\"target\":\"access\"}}",
-                record.client,
-                text(user),
-                record.method,
-                text(&record.url),
-                text(group),
-                record.status,
-                record.answered,
-                record.timing.retries,
-                record.bytes,
-                record.complete,
-                super::Count(tokens.map(|t| t.0)),
-                super::Count(tokens.map(|t| t.1)),
-            )
-        }
+    };
+    for (i, (name, value)) in fields.iter().enumerate() {
+        let _ = match (format, value) {
+            (Format::Text, Str(v) | Word(v)) => write!(out, " {name}={v}"),
+            (Format::Text, Num(v)) => write!(out, " {name}={v:?}"),
+            (Format::Json, value) => {
+                let comma = if i == 0 { "" } else { "," };
+                let _ = write!(out, "{comma}\"{name}\":");
+                match value {
+                    Str(v) => {
+                        use std::fmt::Write as _;
+                        scratch.clear();
+                        let _ = write!(scratch, "{v}");
+                        serde_json::to_writer(&mut *out, scratch.as_str()).map_err(Into::into)
+                    }
+                    Word(v) => write!(out, "\"{v}\""),
+                    Num(v) => write!(out, "{v:?}"),
+                }
+            }
+        };
+    }
+    let _ = match format {
+        Format::Text => writeln!(out),
+        Format::Json => writeln!(out, "}},\"target\":\"access\"}}"),
     };
 }
 
