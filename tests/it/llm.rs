@@ -186,10 +186,15 @@ async fn sdk_calls(
         &calls,
         &clients,
     ]);
+    client_calls(cmd).await
+}
+
+/// What a client program (`cmd`) printed of its calls, once it ends.
+async fn client_calls(mut cmd: tokio::process::Command) -> Calls {
     let out = tokio::time::timeout(BOUND * 3, cmd.output())
         .await
         .expect("the calls end in time")
-        .expect("python3 runs");
+        .expect("the client runs (scripts/test installs it)");
     let stdout = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(stdout.trim())
         .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)))
@@ -200,13 +205,7 @@ async fn node_calls(base: &str, env: &[(&str, &str)]) -> Calls {
     let mut cmd = clean_command("node", env);
     let (calls, clients) = (CALLS.to_string(), CLIENTS.to_string());
     cmd.args(["tests/node/llm-calls.js", base, &calls, &clients]);
-    let out = tokio::time::timeout(BOUND * 3, cmd.output())
-        .await
-        .expect("the calls end in time")
-        .expect("node runs (scripts/test installs it)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)))
+    client_calls(cmd).await
 }
 
 /// What the upstream said of its run (plain HTTP).
